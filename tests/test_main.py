@@ -1,0 +1,90 @@
+"""`python main.py ...` end to end, in a subprocess, as a user runs it."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vit_jax import metric_writer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_main(*flags, devices=1):
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  return subprocess.run([sys.executable, "main.py", *flags], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=600)
+
+
+SMALL_MODEL = ["--config.model.num_layers=2", "--config.model.hidden_size=32",
+               "--config.model.num_heads=2", "--config.model.mlp_dim=64"]
+
+
+def test_main_on_synthetic_data_trains_checkpoints_and_resumes(tmp_path):
+  workdir = str(tmp_path / "run")
+  flags = ["--config=configs/vit_tiny_fashion_mnist.py",
+           "--config.dataset=synthetic", "--config.synthetic.image_size=28",
+           "--config.synthetic.channels=1", "--config.batch_size=32",
+           "--config.num_train_steps=12", "--config.log_every_steps=4",
+           "--config.checkpoint_every_steps=6", f"--workdir={workdir}",
+           *SMALL_MODEL]
+  result = _run_main(*flags, devices=2)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Final test accuracy" in result.stdout
+  assert "2 device(s)" in result.stdout
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["12",
+                                                                      "6"]
+  records = metric_writer.read_metrics(workdir)
+  train_steps = [r["step"] for r in records if r["split"] == "train"]
+  assert train_steps == [4, 8, 12]
+  assert {"loss", "accuracy", "learning_rate", "images_per_second"} <= set(
+      records[0])
+  evals = [r for r in records if r["split"] == "eval"]
+  assert evals[-1]["num_examples"] == 128
+
+  again = _run_main(*flags, devices=2)  # finished run: restores, trains none
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "Resumed from the checkpoint of step 12" in again.stdout
+
+
+def test_main_on_real_fashion_mnist_slice(tmp_path, fashion_mnist_dir):
+  result = _run_main(
+      "--config=configs/vit_tiny_fashion_mnist.py",
+      f"--config.raw_data_dir={fashion_mnist_dir}",
+      "--config.max_train_examples=1024", "--config.max_eval_examples=500",
+      "--config.num_train_steps=16", "--config.batch_size=64",
+      "--config.eval_batch_size=250", f"--workdir={tmp_path}", *SMALL_MODEL)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f"raw files in {fashion_mnist_dir}" in result.stdout
+  assert "over 500 images" in result.stdout
+
+
+def test_main_rejects_unknown_config_key(tmp_path):
+  result = _run_main("--config=configs/vit_tiny_cifar.py",
+                     "--config.batch_sise=64", f"--workdir={tmp_path}")
+  assert result.returncode != 0
+  assert "batch_sise" in result.stderr
+  assert "batch_size" in result.stderr  # the "did you mean" suggestion
+
+
+def test_main_reports_missing_data_with_fixes(tmp_path):
+  result = _run_main("--config=configs/vit_tiny_cifar.py",
+                     f"--config.raw_data_dir={tmp_path / 'none'}",
+                     f"--config.data_dir={tmp_path / 'tfds'}",
+                     "--config.tfds_download=False", f"--workdir={tmp_path}")
+  assert result.returncode != 0
+  assert "DatasetUnavailableError" in result.stderr
+  assert "--config.raw_data_dir=DIR" in result.stderr
+
+
+@pytest.mark.parametrize("config", ["configs/vit_tiny_cifar.py",
+                                    "configs/vit_tiny_fashion_mnist.py"])
+def test_shipped_configs_are_valid(config):
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  from vit_jax import validation  # pylint: disable=import-outside-toplevel
+  loaded = config_flags.config_flags._LoadConfigModule(  # pylint: disable=protected-access
+      "config", os.path.join(ROOT, config)).get_config()
+  validation.validate_config(loaded)
+  assert loaded.is_locked

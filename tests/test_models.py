@@ -1,0 +1,241 @@
+"""The model: shapes, parameter counts and names, values, and input errors."""
+
+import chex
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vit_jax import models, variants
+
+
+def _tiny(**overrides):
+  fields = dict(num_classes=5, patch_size=4, hidden_size=32, num_layers=2,
+                num_heads=4, mlp_dim=64)
+  fields.update(overrides)
+  return models.VisionTransformer(**fields)
+
+
+def _init(model, shape, seed=0):
+  return model.init(jax.random.PRNGKey(seed), jnp.zeros(shape))
+
+
+# ------------------------------------------------------------------ shapes
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+@pytest.mark.parametrize("image_shape", [(32, 32, 3), (28, 28, 1), (16, 24, 3)])
+def test_output_shape_and_dtype(classifier, image_shape):
+  model = _tiny(classifier=classifier)
+  variables = _init(model, (1,) + image_shape)
+  images = jax.random.normal(jax.random.PRNGKey(1), (3,) + image_shape)
+  logits = model.apply(variables, images)
+  chex.assert_shape(logits, (3, 5))
+  chex.assert_type(logits, jnp.float32)
+  chex.assert_tree_all_finite(logits)
+  num_patches = (image_shape[0] // 4) * (image_shape[1] // 4)
+  pos = variables["params"]["Transformer"]["posembed_input"]["pos_embedding"]
+  chex.assert_shape(pos, (1, num_patches + (classifier == "token"), 32))
+  assert ("cls" in variables["params"]) == (classifier == "token")
+
+
+@pytest.mark.parametrize("name,image_size", [("ViT-Ti/16", 224),
+                                             ("ViT-S/32", 96),
+                                             ("ViT-Ti/4", 32),
+                                             ("ViT-Mini/4", 28)])
+def test_named_variants_run(name, image_size):
+  model = variants.build_model(variants.get_variant(name), num_classes=7)
+  channels = 1 if image_size == 28 else 3
+  shape = (2, image_size, image_size, channels)
+  variables = _init(model, shape)
+  logits = jax.jit(model.apply)(variables, jnp.ones(shape))
+  chex.assert_shape(logits, (2, 7))
+  chex.assert_type(logits, jnp.float32)
+
+
+def test_bfloat16_compute_keeps_float32_params():
+  model = _tiny(dtype=jnp.bfloat16)
+  variables = _init(model, (1, 16, 16, 3))
+  chex.assert_trees_all_equal_dtypes(
+      variables, jax.tree.map(lambda x: x.astype(jnp.float32), variables))
+  _, state = model.apply(variables, jnp.ones((2, 16, 16, 3)),
+                         mutable=["intermediates"])
+  tokens = state["intermediates"]["patch_tokens"][0]
+  chex.assert_type(tokens, jnp.bfloat16)
+  logits = model.apply(variables, jnp.ones((2, 16, 16, 3)))
+  chex.assert_type(logits, jnp.float32)
+
+
+# ------------------------------------------------------ parameter counts
+OFFICIAL_PARAM_COUNTS = {  # 1000 classes, 224x224, no pre-logits layer
+    "ViT-Ti/16": 5_717_416,
+    "ViT-S/16": 22_050_664,
+    "ViT-B/16": 86_567_656,
+    "ViT-L/16": 304_326_632,
+}
+
+
+@pytest.mark.parametrize("name,count", sorted(OFFICIAL_PARAM_COUNTS.items()))
+def test_param_count_matches_official(name, count):
+  model = variants.build_model(variants.get_variant(name), num_classes=1000)
+  shapes = jax.eval_shape(
+      lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 224, 224, 3))))
+  assert sum(x.size for x in jax.tree.leaves(shapes)) == count
+
+
+def test_param_names_follow_official_layout():
+  config = variants.get_variant("ViT-B/16")
+  config.unlock()
+  config.representation_size = 768
+  model = variants.build_model(config, num_classes=1000)
+  shapes = jax.eval_shape(
+      lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 224, 224, 3))))
+  flat = {"/".join(k): v.shape for k, v in
+          flax.traverse_util.flatten_dict(shapes["params"]).items()}
+  expected = {
+      "embedding/kernel": (16, 16, 3, 768),
+      "cls": (1, 1, 768),
+      "Transformer/posembed_input/pos_embedding": (1, 197, 768),
+      "Transformer/encoderblock_0/LayerNorm_0/scale": (768,),
+      "Transformer/encoderblock_0/MultiHeadDotProductAttention_1/query/kernel":
+          (768, 12, 64),
+      "Transformer/encoderblock_0/MultiHeadDotProductAttention_1/out/kernel":
+          (12, 64, 768),
+      "Transformer/encoderblock_11/LayerNorm_2/bias": (768,),
+      "Transformer/encoderblock_11/MlpBlock_3/Dense_0/kernel": (768, 3072),
+      "Transformer/encoderblock_11/MlpBlock_3/Dense_1/kernel": (3072, 768),
+      "Transformer/encoder_norm/scale": (768,),
+      "pre_logits/kernel": (768, 768),
+      "head/kernel": (768, 1000),
+  }
+  for name, shape in expected.items():
+    assert flat[name] == shape, name
+  assert not any("encoderblock_12" in name for name in flat)
+
+
+def test_initialisation_follows_paper():
+  model = _tiny(num_layers=1, hidden_size=64, num_heads=4, mlp_dim=128)
+  params = _init(model, (1, 64, 64, 3))["params"]
+  chex.assert_trees_all_equal(params["cls"], jnp.zeros((1, 1, 64)))
+  chex.assert_trees_all_equal(params["head"]["kernel"], jnp.zeros((64, 5)))
+  pos = params["Transformer"]["posembed_input"]["pos_embedding"]
+  assert 0.015 < float(jnp.std(pos)) < 0.025  # normal(0.02), 257*64 draws
+
+
+# --------------------------------------------- values vs. a numpy reference
+def _layer_norm(x, p):
+  mean = x.mean(-1, keepdims=True)
+  var = ((x - mean) ** 2).mean(-1, keepdims=True)
+  return (x - mean) / np.sqrt(var + 1e-6) * p["scale"] + p["bias"]
+
+
+def _gelu_tanh(x):
+  return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def _numpy_vit(params, images, patch, num_heads, representation):
+  """The paper's forward pass written independently in float64 numpy."""
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  batch, height, width, channels = images.shape
+  grid_h, grid_w = height // patch, width // patch
+  patches = images.reshape(batch, grid_h, patch, grid_w, patch, channels)
+  patches = patches.transpose(0, 1, 3, 2, 4, 5).reshape(
+      batch, grid_h * grid_w, -1)
+  kernel = p["embedding"]["kernel"].reshape(-1, p["embedding"]["bias"].size)
+  x = patches @ kernel + p["embedding"]["bias"]
+  cls = np.broadcast_to(p["cls"], (batch, 1, x.shape[-1]))
+  x = np.concatenate([cls, x], 1)
+  x = x + p["Transformer"]["posembed_input"]["pos_embedding"]
+  layer = 0
+  while f"encoderblock_{layer}" in p["Transformer"]:
+    block = p["Transformer"][f"encoderblock_{layer}"]
+    attn = block["MultiHeadDotProductAttention_1"]
+    y = _layer_norm(x, block["LayerNorm_0"])
+    q, k, v = (np.einsum("btd,dhe->bthe", y, attn[n]["kernel"]) +
+               attn[n]["bias"] for n in ("query", "key", "value"))
+    head_dim = q.shape[-1]
+    logits = np.einsum("bqhe,bkhe->bhqk", q, k) / np.sqrt(head_dim)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    out = np.einsum("bhqk,bkhe->bqhe", weights, v)
+    x = x + np.einsum("bqhe,hed->bqd", out, attn["out"]["kernel"]) + \
+        attn["out"]["bias"]
+    mlp = block["MlpBlock_3"]
+    y = _layer_norm(x, block["LayerNorm_2"])
+    y = _gelu_tanh(y @ mlp["Dense_0"]["kernel"] + mlp["Dense_0"]["bias"])
+    x = x + y @ mlp["Dense_1"]["kernel"] + mlp["Dense_1"]["bias"]
+    layer += 1
+  x = _layer_norm(x, p["Transformer"]["encoder_norm"])[:, 0]
+  if representation:
+    x = np.tanh(x @ p["pre_logits"]["kernel"] + p["pre_logits"]["bias"])
+  return x @ p["head"]["kernel"] + p["head"]["bias"]
+
+
+def test_forward_matches_numpy_reference():
+  model = _tiny(representation_size=16, num_layers=3)
+  variables = _init(model, (1, 16, 16, 3))
+  # Random (non-zero) head so the logits depend on everything before them.
+  keys = jax.random.split(jax.random.PRNGKey(3), 2)
+  variables = flax.core.unfreeze(variables)
+  variables["params"]["head"]["kernel"] = jax.random.normal(keys[0], (16, 5))
+  variables["params"]["cls"] = jax.random.normal(keys[1], (1, 1, 32))
+  images = np.asarray(jax.random.normal(jax.random.PRNGKey(4),
+                                        (2, 16, 16, 3)))
+  logits = model.apply(variables, images)
+  expected = _numpy_vit(variables["params"], images.astype(np.float64),
+                        patch=4, num_heads=4, representation=True)
+  np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_off_is_deterministic_and_on_is_random():
+  model = _tiny(dropout_rate=0.3, attention_dropout_rate=0.3)
+  variables = flax.core.unfreeze(_init(model, (1, 16, 16, 3)))
+  variables["params"]["head"]["kernel"] = jnp.ones((32, 5))
+  images = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 16, 3))
+  a = model.apply(variables, images, train=False)
+  b = model.apply(variables, images, train=False)
+  chex.assert_trees_all_equal(a, b)
+  c = model.apply(variables, images, train=True,
+                  rngs={"dropout": jax.random.PRNGKey(1)})
+  d = model.apply(variables, images, train=True,
+                  rngs={"dropout": jax.random.PRNGKey(2)})
+  assert not np.allclose(c, d)
+  assert not np.allclose(a, c)
+
+
+# ------------------------------------------------------------------ errors
+def test_patch_must_divide_image():
+  with pytest.raises(models.ViTInputError, match="not divisible by patch_size"):
+    _init(_tiny(patch_size=5), (1, 32, 32, 3))
+
+
+def test_rank_must_be_four():
+  with pytest.raises(models.ViTInputError, match="rank 3"):
+    _init(_tiny(), (32, 32, 3))
+
+
+def test_channels_must_match_initialisation():
+  model = _tiny()
+  variables = _init(model, (1, 16, 16, 3))
+  with pytest.raises(models.ViTInputError, match="1 channels but the model "
+                     "was initialised with 3"):
+    model.apply(variables, jnp.zeros((1, 16, 16, 1)))
+
+
+def test_image_size_must_match_position_embedding():
+  model = _tiny()
+  variables = _init(model, (1, 16, 16, 3))
+  with pytest.raises(models.ViTInputError, match="position embedding"):
+    model.apply(variables, jnp.zeros((1, 32, 32, 3)))
+
+
+def test_unknown_classifier_and_variant():
+  with pytest.raises(models.ViTInputError, match="Unknown classifier 'cls'"):
+    _init(_tiny(classifier="cls"), (1, 16, 16, 3))
+  with pytest.raises(ValueError, match="Unknown ViT variant 'ViT-X/16'.*"
+                     "ViT-B/16"):
+    variants.get_variant("ViT-X/16")
+
+
+def test_heads_must_divide_hidden_size():
+  with pytest.raises(models.ViTInputError, match="num_heads 5"):
+    _init(_tiny(num_heads=5), (1, 16, 16, 3))

@@ -1,0 +1,198 @@
+"""Training: steps, optimizer, sharding, checkpoints and resume, failures."""
+
+import os
+import shutil
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from vit_jax import (augment, configs, datasets, input_pipeline,
+                     metric_writer, optim, sharding, train, variants)
+
+
+def _small_config(**overrides):
+  config = configs.base_config("ViT-Mini/4")
+  config.model.hidden_size = 32
+  config.model.num_layers = 2
+  config.model.num_heads = 2
+  config.model.mlp_dim = 64
+  config.dataset = "synthetic"
+  config.synthetic.image_size = 16
+  config.synthetic.num_train = 64
+  config.synthetic.num_eval = 40
+  config.batch_size = 16
+  config.eval_batch_size = 16
+  config.warmup_epochs = 1.0
+  config.log_every_steps = 2
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+def _build(config, mesh, total_steps=20, steps_per_epoch=4):
+  dataset = datasets.load(config)
+  model = variants.build_model(config.model, dataset.num_classes)
+  schedule = optim.learning_rate_schedule(config, total_steps,
+                                          steps_per_epoch)
+  state = train.create_train_state(model, dataset.image_shape,
+                                   optim.make_optimizer(config, schedule),
+                                   config.seed, mesh)
+  mean, std = dataset.channel_stats()
+  train_fn, eval_fn = train.compile_steps(config, mesh, mean, std, True,
+                                          schedule)
+  return dataset, state, train_fn, eval_fn
+
+
+def test_overfits_a_fixed_batch_of_noise():
+  config = _small_config(crop_padding=0, label_smoothing=0.0,
+                         weight_decay=0.0, learning_rate=3e-3)
+  mesh = sharding.make_mesh()
+  _, state, train_fn, _ = _build(config, mesh, total_steps=150)
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, (16, 16, 16, 3)).astype(np.uint8)
+  labels = rng.integers(0, 10, 16).astype(np.int32)
+  batch = [sharding.to_global_batch(mesh, x) for x in (images, labels)]
+  losses = []
+  for _ in range(150):
+    state, metrics = train_fn(state, *batch)
+    losses.append(float(metrics["loss"]))
+  assert losses[-1] < 0.1 * losses[0]
+  assert float(metrics["accuracy"]) == 1.0
+  assert int(state.step) == 150
+
+
+def test_eight_devices_match_one_device():
+  assert jax.device_count() == 8, "conftest sets 8 simulated CPU devices"
+  config = _small_config()
+  trajectories, final_params = [], []
+  for devices in (jax.devices()[:1], jax.devices()):
+    mesh = sharding.make_mesh(devices)
+    dataset, state, train_fn, _ = _build(config, mesh)
+    stream = input_pipeline.train_batches(dataset.train_images,
+                                   dataset.train_labels, 16, 0, 0, mesh)
+    losses = []
+    for _ in range(6):
+      state, metrics = train_fn(state, *next(stream))
+      losses.append(float(metrics["loss"]))
+    assert len(state.params["head"]["kernel"].sharding.device_set) == len(
+        devices)
+    trajectories.append(losses)
+    final_params.append(jax.device_get(state.params))
+  np.testing.assert_allclose(trajectories[0], trajectories[1], rtol=1e-5)
+  # atol 1e-5: the attention key bias has an exactly-zero true gradient
+  # (softmax ignores a per-row shift), so Adam turns its float noise, which
+  # differs with the reduction order, into updates of ~1e-6.
+  chex.assert_trees_all_close(final_params[0], final_params[1], rtol=1e-4,
+                              atol=1e-5)
+
+
+def test_eval_step_ignores_padding():
+  config = _small_config()
+  mesh = sharding.make_mesh()
+  dataset, state, _, eval_fn = _build(config, mesh)
+  images = dataset.test_images[:16]
+  labels = dataset.test_labels[:16]
+  mask = np.array([1.0] * 5 + [0.0] * 11, np.float32)
+  put = lambda x: sharding.to_global_batch(mesh, x)
+  masked = eval_fn(state, put(images), put(labels), put(mask))
+  garbage = images.copy()
+  garbage[5:] = 255 - garbage[5:]
+  other_labels = labels.copy()
+  other_labels[5:] = (labels[5:] + 1) % 10
+  masked_garbage = eval_fn(state, put(garbage), put(other_labels), put(mask))
+  chex.assert_trees_all_close(masked, masked_garbage)
+  assert float(masked["count"]) == 5
+
+
+def test_weight_decay_mask_spares_biases_norms_and_embeddings():
+  config = _small_config()
+  model = variants.build_model(config.model, 10)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16, 16, 3)))
+  mask = optim.weight_decay_mask(params["params"])
+  assert mask["cls"] is False
+  assert mask["Transformer"]["posembed_input"]["pos_embedding"] is False
+  block = mask["Transformer"]["encoderblock_0"]
+  assert block["LayerNorm_0"] == {"scale": False, "bias": False}
+  assert block["MlpBlock_3"]["Dense_0"] == {"kernel": True, "bias": False}
+  assert block["MultiHeadDotProductAttention_1"]["query"]["kernel"] is True
+  assert mask["embedding"]["kernel"] is True
+
+
+def test_learning_rate_warms_up_then_decays_by_cosine():
+  config = _small_config(learning_rate=1.0, end_learning_rate=0.0,
+                         warmup_epochs=2.0)
+  schedule = optim.learning_rate_schedule(config, total_steps=100,
+                                          steps_per_epoch=10)
+  np.testing.assert_allclose([schedule(0), schedule(10), schedule(20)],
+                             [0.0, 0.5, 1.0], atol=1e-6)
+  np.testing.assert_allclose(schedule(60), 0.5, atol=1e-6)  # cosine midpoint
+  np.testing.assert_allclose(schedule(100), 0.0, atol=1e-6)
+
+
+def _read_checkpoint(workdir, step):
+  manager = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"))
+  tree = manager.restore(step, args=ocp.args.StandardRestore())
+  manager.close()
+  return tree
+
+
+def test_resume_continues_exactly(tmp_path):
+  config = _small_config(num_train_steps=8, checkpoint_every_steps=4)
+  config.model.dropout_rate = 0.1  # the dropout RNG must resume too
+  workdir = str(tmp_path / "run")
+  train.train_and_evaluate(config, workdir)
+  uninterrupted = _read_checkpoint(workdir, 8)
+  records = metric_writer.read_metrics(workdir)
+
+  # "Kill" the run after step 4: only the step-4 checkpoint survives.
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
+  final = train.train_and_evaluate(config, workdir)
+  resumed = _read_checkpoint(workdir, 8)
+  chex.assert_trees_all_equal(resumed["params"], uninterrupted["params"])
+  chex.assert_trees_all_equal(resumed["opt_state"],
+                              uninterrupted["opt_state"])
+  assert int(resumed["step"]) == 8
+  drop_time = lambda rs: [{k: v for k, v in r.items()
+                           if k not in ("time", "images_per_second")}
+                          for r in rs]
+  assert drop_time(metric_writer.read_metrics(workdir)) == drop_time(records)
+  assert final["num_examples"] == 40
+
+
+def test_nan_loss_stops_training_and_saves_nothing(tmp_path, monkeypatch):
+  monkeypatch.setattr(augment, "train_preprocess",
+                      lambda images, key, **_: jnp.full(images.shape, jnp.nan))
+  config = _small_config(num_train_steps=4, checkpoint_every_steps=2)
+  with pytest.raises(FloatingPointError, match="loss became nan at step 1"):
+    train.train_and_evaluate(config, str(tmp_path))
+  assert os.listdir(tmp_path / "checkpoints") == []
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(batch_size=12), "batch_size=12 is not divisible by the 8 devices"),
+    (dict(dataset="cifar10"), "patch_size=3 does not divide the 32x32"),
+    (dict(dataset="imagenet"), "config.dataset='imagenet' is not supported"),
+    (dict(label_smoothing=1.5), "label_smoothing=1.5"),
+])
+def test_bad_config_fails_before_loading_data(tmp_path, overrides, message):
+  config = _small_config(raw_data_dir=str(tmp_path / "absent"),
+                         data_source="raw")
+  config.model.patch_size = 4 if "dataset" not in overrides else 3
+  config.synthetic.image_size = 16
+  for key, value in overrides.items():
+    config[key] = value
+  with pytest.raises(ValueError, match=message):
+    train.train_and_evaluate(config, str(tmp_path))
+  assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_locked_config_rejects_unknown_keys():
+  config = configs.base_config()
+  with pytest.raises(AttributeError, match="batch_sise"):
+    config.batch_sise = 64
+  with pytest.raises(AttributeError):
+    config.model.hiden_size = 64

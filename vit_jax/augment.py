@@ -1,0 +1,54 @@
+"""Image preprocessing that runs on device, inside the jitted steps.
+
+Batches travel to the device as uint8 (4x less traffic than float32) and are
+augmented and normalised there, where XLA fuses it into the step; a 2-core
+host never has to touch a float pixel.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def random_crop(images: jax.Array, key: jax.Array, padding: int) -> jax.Array:
+  """Zero-pads by `padding` and takes a random crop of the original size.
+
+  images: (B, H, W, C), any dtype. Each image gets its own offset.
+  """
+  if padding <= 0:
+    return images
+  batch, height, width, channels = images.shape
+  padded = jnp.pad(images, ((0, 0), (padding, padding), (padding, padding),
+                            (0, 0)))
+  offsets = jax.random.randint(key, (batch, 2), 0, 2 * padding + 1)
+
+  def crop(image, offset):
+    return jax.lax.dynamic_slice(image, (offset[0], offset[1], 0),
+                                 (height, width, channels))
+
+  return jax.vmap(crop)(padded, offsets)
+
+
+def random_flip(images: jax.Array, key: jax.Array) -> jax.Array:
+  """Mirrors each image left-right with probability 1/2. (B, H, W, C)."""
+  flip = jax.random.bernoulli(key, 0.5, (images.shape[0], 1, 1, 1))
+  return jnp.where(flip, images[:, :, ::-1], images)
+
+
+def normalize(images: jax.Array, mean: np.ndarray, std: np.ndarray,
+              dtype=jnp.float32) -> jax.Array:
+  """uint8 (B, H, W, C) -> `dtype`, per channel (x - mean) / std."""
+  mean = jnp.asarray(mean, jnp.float32)
+  std = jnp.asarray(std, jnp.float32)
+  return ((images.astype(jnp.float32) - mean) / std).astype(dtype)
+
+
+def train_preprocess(images: jax.Array, key: jax.Array, *, mean: np.ndarray,
+                     std: np.ndarray, crop_padding: int, flip: bool
+                     ) -> jax.Array:
+  """Augments and normalises a uint8 training batch. (B, H, W, C) -> float32."""
+  crop_key, flip_key = jax.random.split(key)
+  images = random_crop(images, crop_key, crop_padding)
+  if flip:
+    images = random_flip(images, flip_key)
+  return normalize(images, mean, std)

@@ -1,0 +1,57 @@
+"""Orbax checkpoints of the whole train state in `workdir/checkpoints`.
+
+Orbax writes each step into a temporary folder and renames it when complete,
+so a run killed mid-save leaves the previous checkpoint as the latest one.
+The state holds the step and RNG key, and the data order is a function of the
+step, so restoring the state is all an exact resume needs.
+"""
+
+import os
+from typing import Optional
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class CheckpointRestoreError(RuntimeError):
+  """A checkpoint exists but does not fit the model being trained."""
+
+
+def make_manager(workdir: str, max_to_keep: int) -> ocp.CheckpointManager:
+  return ocp.CheckpointManager(
+      os.path.abspath(os.path.join(workdir, "checkpoints")),
+      options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
+                                           create=True))
+
+
+def save(manager: ocp.CheckpointManager, state) -> None:
+  """Starts an asynchronous save of `state` at its step (no-op if present)."""
+  step = int(jax.device_get(state.step))
+  if step not in manager.all_steps():
+    manager.save(step, args=ocp.args.StandardSave(state))
+
+
+def restore_latest(manager: ocp.CheckpointManager, state
+                   ) -> tuple[object, Optional[int]]:
+  """Returns (restored state, step), or (state, None) if there is none.
+
+  `state` is a freshly initialised state; its shapes, dtypes and shardings
+  say how to lay the restored arrays out.
+  """
+  step = manager.latest_step()
+  if step is None:
+    return state, None
+  target = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      state)
+  try:
+    restored = manager.restore(step, args=ocp.args.StandardRestore(target))
+  except Exception as e:  # pylint: disable=broad-except
+    path = os.path.join(manager.directory, str(step))
+    raise CheckpointRestoreError(
+        f"Cannot restore the checkpoint {path}: {type(e).__name__}: {e}\n"
+        "It was written by a different model or config, or it is damaged. "
+        "Train with the config that wrote it, point --workdir at a new "
+        "folder, or move that checkpoint away to resume from an earlier "
+        "one.") from e
+  return restored, step

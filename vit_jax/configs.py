@@ -1,0 +1,61 @@
+"""Shared training defaults; each file in configs/ starts from `base_config`.
+
+Every config is locked: an override of a key that does not exist
+(`--config.batch_sise=64`) fails with the list of valid keys instead of being
+silently ignored.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+from vit_jax import variants
+
+
+def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
+  """Defaults for every option of the trainer, with model `model`."""
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+
+  # Data. `dataset` is cifar10, cifar100, mnist, fashion_mnist or synthetic.
+  config.dataset = "cifar10"
+  # Where to look: "auto" tries raw files (raw_data_dir, then known system
+  # paths), then TFDS; "raw" and "tfds" use only that source.
+  config.data_source = "auto"
+  config.raw_data_dir = config_dict.placeholder(str)  # IDX / CIFAR binary files
+  config.data_dir = config_dict.placeholder(str)  # TFDS data_dir
+  config.manual_dir = config_dict.placeholder(str)  # TFDS manual_dir
+  config.tfds_download = True  # let TFDS download and prepare when missing
+  config.max_train_examples = config_dict.placeholder(int)  # take a slice
+  config.max_eval_examples = config_dict.placeholder(int)
+  # Synthetic data (dataset="synthetic"): class-dependent patterns + noise.
+  config.synthetic = ml_collections.ConfigDict(dict(
+      num_train=512, num_eval=128, image_size=32, channels=3, num_classes=10))
+
+  # Augmentation, applied on device inside the train step.
+  config.crop_padding = 4  # random crop after zero padding; 0 disables
+  config.random_flip = config_dict.placeholder(bool)  # None: dataset default
+
+  config.model = variants.get_variant(model)
+
+  # Optimisation: AdamW, linear warm-up then cosine decay, global-norm clip.
+  config.batch_size = 128
+  config.eval_batch_size = 500
+  config.num_epochs = 100
+  config.num_train_steps = config_dict.placeholder(int)  # overrides epochs
+  config.learning_rate = 1e-3
+  config.end_learning_rate = 1e-5
+  config.warmup_epochs = 5.0
+  config.weight_decay = 0.05
+  config.decay_all_params = False  # also decay biases, LN scales, embeddings
+  config.adam_b1 = 0.9
+  config.adam_b2 = 0.999
+  config.grad_clip_norm = 1.0  # 0 disables clipping
+  config.label_smoothing = 0.1
+
+  # Bookkeeping.
+  config.log_every_steps = 50
+  config.eval_every_epochs = 1
+  config.checkpoint_every_steps = 1000
+  config.keep_checkpoints = 3
+  config.lock()
+  return config

@@ -1,0 +1,66 @@
+"""Metrics to the log and to `workdir/metrics.jsonl`, one JSON object a line.
+
+Each line is {"step": ..., "split": "train" | "eval", <metric>: value, ...};
+`pandas.read_json(path, lines=True)` or a two-line loop reads it back for
+plots. Only process 0 writes.
+"""
+
+import json
+import os
+import time
+from typing import Mapping
+
+import jax
+
+
+def log(message: str) -> None:
+  """Prints a progress line from process 0 only."""
+  if jax.process_index() == 0:
+    print(message, flush=True)
+
+
+class MetricWriter:
+  """Appends metrics; on resume, first drops records past the resumed step.
+
+  Records after the last checkpoint belong to steps that will be run again,
+  so the file always reads as one uninterrupted run.
+  """
+
+  def __init__(self, workdir: str, resume_step: int = 0):
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self._enabled = jax.process_index() == 0
+    if self._enabled and os.path.exists(self.path):
+      kept = [r for r in read_metrics(workdir) if r["step"] <= resume_step]
+      temporary = self.path + ".tmp"
+      with open(temporary, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+      os.replace(temporary, self.path)
+
+  def write(self, step: int, split: str, metrics: Mapping[str, float]) -> None:
+    if not self._enabled:
+      return
+    record = {"step": int(step), "split": split, "time": round(time.time(), 3)}
+    # Fixed key order so log lines line up from one step to the next.
+    ordered = sorted(metrics, key=lambda k: (_ORDER.index(k)
+                                             if k in _ORDER else len(_ORDER)))
+    record.update({k: float(metrics[k]) for k in ordered})
+    with open(self.path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+    log(f"{split:5s} step {step:6d} | " + " | ".join(
+        f"{k} {_format(record[k])}" for k in ordered))
+
+
+_ORDER = ["epoch", "loss", "accuracy", "learning_rate", "grad_norm",
+          "images_per_second", "num_examples"]
+
+
+def _format(value: float) -> str:
+  if value != 0 and (abs(value) < 1e-2 or abs(value) >= 1e5):
+    return f"{value:.3e}"
+  return f"{value:.4f}" if abs(value) < 100 else f"{value:.1f}"
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  """All records of `workdir/metrics.jsonl`, in the order written."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]

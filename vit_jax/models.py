@@ -1,0 +1,277 @@
+"""The Vision Transformer (Dosovitskiy et al., 2020) as Flax linen modules.
+
+Parameter names follow the official google-research/vision_transformer
+checkpoint tree, so released `.npz` files map onto this model one to one:
+
+  embedding/{kernel,bias}                      patch embedding (Conv)
+  cls                                          class token, (1, 1, D)
+  Transformer/posembed_input/pos_embedding     (1, N+1, D)
+  Transformer/encoderblock_{i}/LayerNorm_0
+  Transformer/encoderblock_{i}/MultiHeadDotProductAttention_1/{query,key,value,out}
+  Transformer/encoderblock_{i}/LayerNorm_2
+  Transformer/encoderblock_{i}/MlpBlock_3/{Dense_0,Dense_1}
+  Transformer/encoder_norm
+  pre_logits/{kernel,bias}                     only with representation_size
+  head/{kernel,bias}
+"""
+
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Dtype = Any
+CLASSIFIERS = ("token", "gap")
+
+
+class ViTInputError(ValueError):
+  """An input the model cannot take; the message says what to change."""
+
+
+class MlpBlock(nn.Module):
+  """Dense -> GELU -> dropout -> Dense -> dropout. (..., D) -> (..., D)."""
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  approximate_gelu: bool = True
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
+    out_dim = x.shape[-1]
+    dense = lambda features, name: nn.Dense(
+        features, dtype=self.dtype, param_dtype=self.param_dtype,
+        kernel_init=nn.initializers.xavier_uniform(),
+        bias_init=nn.initializers.normal(stddev=1e-6), name=name)
+    x = dense(self.mlp_dim, "Dense_0")(x)
+    x = nn.gelu(x, approximate=self.approximate_gelu)
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+    x = dense(out_dim, "Dense_1")(x)
+    return nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+
+
+class MultiHeadSelfAttention(nn.Module):
+  """Multi-head dot-product self-attention. (B, T, D) -> (B, T, D).
+
+  Same parameter layout as `flax.linen.MultiHeadDotProductAttention` (and the
+  official checkpoints): query/key/value kernels (D, heads, D/heads), out
+  kernel (heads, D/heads, D). Softmax runs in float32 whatever `dtype` is, so
+  bfloat16 compute stays stable. The attention probabilities
+  (B, heads, T, T) are sown into the `intermediates` collection as
+  `attention_weights` when that collection is mutable, and cost nothing
+  otherwise.
+  """
+  num_heads: int
+  attention_dropout_rate: float = 0.0
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
+    hidden_size = x.shape[-1]
+    if hidden_size % self.num_heads:
+      raise ViTInputError(
+          f"hidden_size {hidden_size} is not divisible by num_heads "
+          f"{self.num_heads}; choose num_heads that divides it.")
+    head_dim = hidden_size // self.num_heads
+    projection = lambda name: nn.DenseGeneral(
+        (self.num_heads, head_dim), dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        kernel_init=nn.initializers.xavier_uniform(), name=name)
+    query = projection("query")(x)  # (B, T, heads, head_dim)
+    key = projection("key")(x)
+    value = projection("value")(x)
+
+    query = query / jnp.sqrt(head_dim).astype(self.dtype)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key)
+    weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    self.sow("intermediates", "attention_weights", weights)
+    weights = nn.Dropout(self.attention_dropout_rate)(
+        weights, deterministic=deterministic).astype(self.dtype)
+    attended = jnp.einsum("bhqk,bkhd->bqhd", weights, value)
+    return nn.DenseGeneral(
+        hidden_size, axis=(-2, -1), dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        kernel_init=nn.initializers.xavier_uniform(), name="out")(attended)
+
+
+class Encoder1DBlock(nn.Module):
+  """Pre-LN transformer block. (B, T, D) -> (B, T, D)."""
+  num_heads: int
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  approximate_gelu: bool = True
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
+    norm = lambda name: nn.LayerNorm(
+        epsilon=1e-6, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+    y = norm("LayerNorm_0")(x)
+    y = MultiHeadSelfAttention(
+        num_heads=self.num_heads,
+        attention_dropout_rate=self.attention_dropout_rate,
+        dtype=self.dtype, param_dtype=self.param_dtype,
+        name="MultiHeadDotProductAttention_1")(y, deterministic=deterministic)
+    y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+    x = x + y
+
+    y = norm("LayerNorm_2")(x)
+    y = MlpBlock(
+        mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
+        approximate_gelu=self.approximate_gelu, dtype=self.dtype,
+        param_dtype=self.param_dtype, name="MlpBlock_3")(
+            y, deterministic=deterministic)
+    return x + y
+
+
+class Encoder(nn.Module):
+  """Position embeddings, dropout, `num_layers` blocks, final LayerNorm."""
+  num_layers: int
+  num_heads: int
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  approximate_gelu: bool = True
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
+    num_tokens, hidden_size = x.shape[1:]
+    if self.has_variable("params", "posembed_input"):
+      expected = self.variables["params"]["posembed_input"]["pos_embedding"]
+      if expected.shape[1] != num_tokens:
+        raise ViTInputError(
+            f"The input gives {num_tokens} tokens but the position embedding "
+            f"holds {expected.shape[1]}: the image size differs from the one "
+            "the model was initialised with. Resize images to that size, or "
+            "resize the position embedding to the new grid before fine-tuning.")
+    pos_embedding = PositionEmbedding(
+        param_dtype=self.param_dtype, name="posembed_input")(num_tokens,
+                                                             hidden_size)
+    x = x + pos_embedding.astype(x.dtype)
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+    for layer in range(self.num_layers):
+      x = Encoder1DBlock(
+          num_heads=self.num_heads, mlp_dim=self.mlp_dim,
+          dropout_rate=self.dropout_rate,
+          attention_dropout_rate=self.attention_dropout_rate,
+          approximate_gelu=self.approximate_gelu, dtype=self.dtype,
+          param_dtype=self.param_dtype, name=f"encoderblock_{layer}")(
+              x, deterministic=deterministic)
+      self.sow("intermediates", "block_outputs", x)
+    return nn.LayerNorm(epsilon=1e-6, dtype=self.dtype,
+                        param_dtype=self.param_dtype, name="encoder_norm")(x)
+
+
+class PositionEmbedding(nn.Module):
+  """Learned 1-D position embedding, (1, num_tokens, D), normal(0.02) init."""
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, num_tokens: int, hidden_size: int) -> jax.Array:
+    return self.param("pos_embedding", nn.initializers.normal(stddev=0.02),
+                      (1, num_tokens, hidden_size), self.param_dtype)
+
+
+class VisionTransformer(nn.Module):
+  """ViT classifier: images (B, H, W, C) -> logits (B, num_classes), float32.
+
+  Attributes:
+    num_classes: size of the classifier output.
+    patch_size: side of the square patches; must divide the image height and
+      width. The patch embedding is a Conv with kernel = stride = patch_size.
+    hidden_size: token width D.
+    num_layers: number of encoder blocks.
+    num_heads: attention heads per block; must divide hidden_size.
+    mlp_dim: hidden width of each block's MLP.
+    dropout_rate: dropout after the position embedding, in the MLP and after
+      attention.
+    attention_dropout_rate: dropout on the attention probabilities.
+    classifier: "token" (prepend a learnable class token and classify it) or
+      "gap" (no class token; classify the mean of the patch tokens).
+    representation_size: if set, a Dense + tanh "pre-logits" layer of this
+      width before the head (the paper's pre-training head).
+    approximate_gelu: tanh-approximate GELU, as in the official JAX code and
+      its checkpoints; False gives the exact erf GELU of PyTorch models.
+    dtype: compute dtype (bfloat16 on GPU/TPU); logits are returned float32.
+    param_dtype: dtype the parameters are stored in (keep float32).
+  """
+  num_classes: int
+  patch_size: int
+  hidden_size: int
+  num_layers: int
+  num_heads: int
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  classifier: str = "token"
+  representation_size: Optional[int] = None
+  approximate_gelu: bool = True
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, images: jax.Array, *, train: bool = False) -> jax.Array:
+    self._check_input(images)
+    x = images.astype(self.dtype)
+    x = nn.Conv(self.hidden_size, (self.patch_size, self.patch_size),
+                strides=(self.patch_size, self.patch_size), padding="VALID",
+                dtype=self.dtype, param_dtype=self.param_dtype,
+                name="embedding")(x)  # (B, H/P, W/P, D)
+    batch, grid_h, grid_w, hidden = x.shape
+    x = x.reshape(batch, grid_h * grid_w, hidden)  # (B, N, D)
+    self.sow("intermediates", "patch_tokens", x)
+
+    if self.classifier == "token":
+      cls = self.param("cls", nn.initializers.zeros, (1, 1, hidden),
+                       self.param_dtype)
+      cls = jnp.broadcast_to(cls.astype(x.dtype), (batch, 1, hidden))
+      x = jnp.concatenate([cls, x], axis=1)  # (B, N+1, D)
+
+    x = Encoder(
+        num_layers=self.num_layers, num_heads=self.num_heads,
+        mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
+        attention_dropout_rate=self.attention_dropout_rate,
+        approximate_gelu=self.approximate_gelu, dtype=self.dtype,
+        param_dtype=self.param_dtype, name="Transformer")(
+            x, deterministic=not train)
+
+    x = x[:, 0] if self.classifier == "token" else jnp.mean(x, axis=1)
+    if self.representation_size is not None:
+      x = nn.Dense(self.representation_size, dtype=self.dtype,
+                   param_dtype=self.param_dtype, name="pre_logits")(x)
+      x = jnp.tanh(x)
+    self.sow("intermediates", "pre_logits", x)
+    logits = nn.Dense(self.num_classes, dtype=self.dtype,
+                      param_dtype=self.param_dtype,
+                      kernel_init=nn.initializers.zeros, name="head")(x)
+    return logits.astype(jnp.float32)
+
+  def _check_input(self, images: jax.Array) -> None:
+    """Raises ViTInputError before any computation for inputs that can't work."""
+    if self.classifier not in CLASSIFIERS:
+      raise ViTInputError(f"Unknown classifier {self.classifier!r}; choose "
+                          f"one of {CLASSIFIERS}.")
+    if images.ndim != 4:
+      raise ViTInputError(
+          f"Expected images of shape (batch, height, width, channels), got "
+          f"shape {images.shape} (rank {images.ndim}). Add a batch axis with "
+          "images[None] or a channel axis with images[..., None].")
+    _, height, width, channels = images.shape
+    if height % self.patch_size or width % self.patch_size:
+      raise ViTInputError(
+          f"Image size {height}x{width} is not divisible by patch_size "
+          f"{self.patch_size}. Resize or crop the images to a multiple of "
+          f"{self.patch_size}, or pick a patch_size that divides both sides.")
+    if self.has_variable("params", "embedding"):
+      expected = self.variables["params"]["embedding"]["kernel"].shape[2]
+      if channels != expected:
+        raise ViTInputError(
+            f"Images have {channels} channels but the model was initialised "
+            f"with {expected}. Convert the images (e.g. grayscale <-> RGB) or "
+            "initialise the model with images of this channel count.")

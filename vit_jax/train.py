@@ -1,0 +1,261 @@
+"""Training and evaluation: `train_and_evaluate(config, workdir)`.
+
+The steps are pure functions of arrays, jit-compiled once with declared
+shardings (state replicated, batch split on the "data" mesh axis). All I/O,
+logging and checkpointing happens in `train_and_evaluate`, around them.
+"""
+
+import functools
+import time
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax.training import train_state
+
+from vit_jax import (augment, checkpoints, datasets, input_pipeline,
+                     metric_writer, optim, sharding, validation, variants)
+
+
+class TrainState(train_state.TrainState):
+  """Params, optimizer state, step, and the run's base RNG key.
+
+  The key of step s is fold_in(rng, s), so randomness depends on the step
+  only and a resumed run draws exactly what an uninterrupted one would.
+  """
+  rng: jax.Array
+
+
+def create_train_state(model: nn.Module, image_shape: tuple[int, int, int],
+                       optimizer: optax.GradientTransformation, seed: int,
+                       mesh: jax.sharding.Mesh) -> TrainState:
+  """Initialises parameters and optimizer state, replicated over `mesh`."""
+
+  def init(key):
+    params_key, state_key = jax.random.split(key)
+    dummy = jnp.zeros((1,) + tuple(image_shape), jnp.float32)
+    params = model.init({"params": params_key}, dummy, train=False)["params"]
+    return TrainState.create(apply_fn=model.apply, params=params,
+                             tx=optimizer, rng=state_key)
+
+  return jax.jit(init, out_shardings=sharding.replicated(mesh))(
+      jax.random.PRNGKey(seed))
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array,
+                  label_smoothing: float = 0.0) -> jax.Array:
+  """Per-example softmax cross-entropy. logits (B, K), int labels (B,)."""
+  targets = jax.nn.one_hot(labels, logits.shape[-1])
+  if label_smoothing:
+    targets = optax.smooth_labels(targets, label_smoothing)
+  return optax.softmax_cross_entropy(logits, targets)
+
+
+def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
+               preprocess: Callable[[jax.Array, jax.Array], jax.Array],
+               label_smoothing: float, learning_rate_fn: optax.Schedule
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer step on a uint8 batch (B, H, W, C) with int labels (B,).
+
+  `preprocess(images, key)` augments and normalises on device.
+  """
+  augment_key, dropout_key = jax.random.split(
+      jax.random.fold_in(state.rng, state.step))
+  inputs = preprocess(images, augment_key)
+
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, inputs, train=True,
+                            rngs={"dropout": dropout_key})
+    return cross_entropy(logits, labels, label_smoothing).mean(), logits
+
+  (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+      state.params)
+  metrics = {
+      "loss": loss,
+      "accuracy": jnp.mean(jnp.argmax(logits, -1) == labels),
+      "learning_rate": learning_rate_fn(state.step),
+      "grad_norm": optax.global_norm(grads),
+  }
+  return state.apply_gradients(grads=grads), metrics
+
+
+def eval_step(state: TrainState, images: jax.Array, labels: jax.Array,
+              mask: jax.Array, *,
+              preprocess: Callable[[jax.Array], jax.Array]
+              ) -> dict[str, jax.Array]:
+  """Sums of loss and correct predictions over the real (mask=1) examples."""
+  logits = state.apply_fn({"params": state.params}, preprocess(images),
+                          train=False)
+  correct = jnp.argmax(logits, -1) == labels
+  return {"loss_sum": jnp.sum(cross_entropy(logits, labels) * mask),
+          "correct": jnp.sum(correct * mask),
+          "count": jnp.sum(mask)}
+
+
+def compile_steps(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
+                  mean: np.ndarray, std: np.ndarray, flip: bool,
+                  learning_rate_fn: optax.Schedule):
+  """The jitted train and eval steps for `config`, with shardings declared."""
+  replicated = sharding.replicated(mesh)
+  batch = sharding.batch_sharded(mesh)
+  train_fn = jax.jit(
+      functools.partial(
+          train_step,
+          preprocess=functools.partial(
+              augment.train_preprocess, mean=mean, std=std,
+              crop_padding=config.crop_padding, flip=flip),
+          label_smoothing=config.label_smoothing,
+          learning_rate_fn=learning_rate_fn),
+      in_shardings=(replicated, batch, batch),
+      out_shardings=(replicated, replicated),
+      donate_argnums=0)
+  eval_fn = jax.jit(
+      functools.partial(
+          eval_step, preprocess=functools.partial(augment.normalize,
+                                                  mean=mean, std=std)),
+      in_shardings=(replicated, batch, batch, batch),
+      out_shardings=replicated)
+  return train_fn, eval_fn
+
+
+def evaluate(eval_fn, state: TrainState, dataset: datasets.Dataset,
+             batch_size: int, mesh: jax.sharding.Mesh) -> dict[str, float]:
+  """Loss and accuracy over every test example, each counted once."""
+  totals = None
+  for images, labels, mask in input_pipeline.eval_batches(
+      dataset.test_images, dataset.test_labels, batch_size, mesh):
+    sums = eval_fn(state, images, labels, mask)
+    totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    # Summed on device: one host transfer per evaluation, not per batch.
+  totals = jax.device_get(totals)
+  count = float(totals["count"])
+  return {"loss": float(totals["loss_sum"]) / count,
+          "accuracy": float(totals["correct"]) / count,
+          "num_examples": count}
+
+
+def _mean_metrics(pending: list[dict[str, jax.Array]]) -> dict[str, float]:
+  stacked = jax.device_get(jax.tree.map(lambda *xs: jnp.stack(xs), *pending))
+  return {k: float(np.mean(v)) for k, v in stacked.items()}
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
+                       ) -> dict[str, float]:
+  """Trains `config` in `workdir`, resuming from its latest checkpoint.
+
+  Returns the metrics of the last evaluation.
+  """
+  validation.validate_config(config)
+  mesh = sharding.make_mesh()
+  sharding.check_batch_size(config.batch_size, mesh, "batch_size")
+  sharding.check_batch_size(config.eval_batch_size, mesh, "eval_batch_size")
+  log = metric_writer.log
+
+  # Data.
+  dataset = datasets.load(config)
+  num_train = len(dataset.train_images)
+  steps_per_epoch = num_train // config.batch_size
+  if steps_per_epoch == 0:
+    raise ValueError(f"config.batch_size={config.batch_size} exceeds the "
+                     f"{num_train} training examples; lower it.")
+  total_steps = config.num_train_steps or config.num_epochs * steps_per_epoch
+  flip = (dataset.flip if config.random_flip is None else config.random_flip)
+  mean, std = dataset.channel_stats()
+  log(f"Data: {dataset.name} from {dataset.source}: {num_train} train / "
+      f"{len(dataset.test_images)} test images of shape "
+      f"{dataset.image_shape}, {dataset.num_classes} classes.")
+
+  # Model and optimizer.
+  model = variants.build_model(config.model, dataset.num_classes)
+  learning_rate_fn = optim.learning_rate_schedule(config, total_steps,
+                                                  steps_per_epoch)
+  optimizer = optim.make_optimizer(config, learning_rate_fn)
+  state = create_train_state(model, dataset.image_shape, optimizer,
+                             config.seed, mesh)
+  num_params = sum(x.size for x in jax.tree.leaves(state.params))
+  log(f"Model: {config.model.name}, {num_params:,} parameters; "
+      f"{len(mesh.devices.flat)} device(s) ({jax.devices()[0].platform}); "
+      f"{total_steps} steps of batch {config.batch_size} "
+      f"({steps_per_epoch} per epoch).")
+
+  # Resume.
+  manager = checkpoints.make_manager(workdir, config.keep_checkpoints)
+  state, restored_step = checkpoints.restore_latest(manager, state)
+  start_step = restored_step or 0
+  if restored_step is not None:
+    log(f"Resumed from the checkpoint of step {restored_step} in {workdir}.")
+  writer = metric_writer.MetricWriter(workdir, resume_step=start_step)
+
+  train_fn, eval_fn = compile_steps(config, mesh, mean, std, flip,
+                                    learning_rate_fn)
+  batches = input_pipeline.train_batches(
+      dataset.train_images, dataset.train_labels, config.batch_size,
+      config.seed, start_step, mesh)
+
+  pending = []  # per-step metrics, still on device
+  eval_metrics = {}
+  timer_start, timer_step, paused = time.perf_counter(), start_step, 0.0
+
+  def check_finite(step):
+    """Raises if any pending step's loss is NaN/Inf (one small transfer)."""
+    losses = np.asarray(jax.device_get([m["loss"] for m in pending]))
+    if not np.all(np.isfinite(losses)):
+      bad_step = step - len(pending) + 1 + int(np.argmin(np.isfinite(losses)))
+      raise FloatingPointError(
+          f"The training loss became {losses[~np.isfinite(losses)][0]} at "
+          f"step {bad_step}. Likely causes: a learning rate too high "
+          "(--config.learning_rate), no gradient clipping "
+          "(--config.grad_clip_norm), or bad input data. This state was not "
+          f"saved; the checkpoints in {manager.directory} are intact.")
+
+  def flush(step):
+    """Logs the mean of the metrics accumulated since the last flush."""
+    nonlocal pending, timer_start, timer_step, paused
+    check_finite(step)
+    metrics = _mean_metrics(pending)
+    pending = []
+    elapsed = time.perf_counter() - timer_start - paused
+    metrics["images_per_second"] = ((step - timer_step) * config.batch_size /
+                                    max(elapsed, 1e-9))
+    metrics["epoch"] = step / steps_per_epoch
+    writer.write(step, "train", metrics)
+    timer_start, timer_step, paused = time.perf_counter(), step, 0.0
+
+  for step in range(start_step, total_steps):
+    state, metrics = train_fn(state, *next(batches))
+    pending.append(metrics)
+    done = step + 1
+    if step == start_step:  # keep compilation out of the throughput figure
+      jax.block_until_ready(metrics)
+      log(f"Compiled and ran the first train step in "
+          f"{time.perf_counter() - timer_start:.1f} s.")
+      timer_start, timer_step = time.perf_counter(), done
+    if done % config.log_every_steps == 0 or done == total_steps:
+      flush(done)
+    epoch = done // steps_per_epoch
+    evaluate_now = done == total_steps or (
+        done % steps_per_epoch == 0 and epoch % config.eval_every_epochs == 0)
+    save_now = (done % config.checkpoint_every_steps == 0 or
+                done == total_steps)
+    if evaluate_now or save_now:
+      jax.block_until_ready(state)
+      pause_start = time.perf_counter()  # not counted as training time
+      if evaluate_now:
+        eval_metrics = evaluate(eval_fn, state, dataset,
+                                config.eval_batch_size, mesh)
+        eval_metrics["epoch"] = done / steps_per_epoch
+        writer.write(done, "eval", eval_metrics)
+      if save_now:
+        check_finite(done)  # never save a state whose loss was not checked
+        checkpoints.save(manager, state)
+      paused += time.perf_counter() - pause_start
+  if not eval_metrics:  # nothing left to train: report the restored state
+    eval_metrics = evaluate(eval_fn, state, dataset, config.eval_batch_size,
+                            mesh)
+  manager.wait_until_finished()
+  manager.close()
+  return eval_metrics

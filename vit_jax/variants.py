@@ -1,0 +1,86 @@
+"""Named ViT variants: Table 1 of the paper plus small-image models.
+
+`get_variant("ViT-B/16")` returns the model hyper-parameters as a locked
+ml_collections.ConfigDict that `build_model` turns into a VisionTransformer.
+"""
+
+import jax.numpy as jnp
+import ml_collections
+
+from vit_jax import models
+
+# Table 1 of the paper (Ti and S from DeiT / "How to train your ViT").
+_SIZES = {
+    # name: (hidden_size, num_layers, num_heads, mlp_dim)
+    "Ti": (192, 12, 3, 768),
+    "S": (384, 12, 6, 1536),
+    "B": (768, 12, 12, 3072),
+    "L": (1024, 24, 16, 4096),
+    "H": (1280, 32, 16, 5120),
+}
+
+# The size/patch pairs with officially released checkpoints.
+_RELEASED = ("Ti/16", "S/16", "S/32", "B/8", "B/16", "B/32", "L/16", "L/32",
+             "H/14")
+
+# Models for 28x28 and 32x32 images, used by the configs in configs/.
+_SMALL_IMAGE = {
+    # ViT-Ti widths on 4x4 patches: 64 tokens (+ class token) at 32x32.
+    "ViT-Ti/4": dict(patch_size=4, hidden_size=192, num_layers=12,
+                     num_heads=3, mlp_dim=768),
+    # A light model for 28x28 grayscale images that trains on 2 CPU cores.
+    "ViT-Mini/4": dict(patch_size=4, hidden_size=128, num_layers=6,
+                       num_heads=4, mlp_dim=256),
+}
+
+
+def _table() -> dict[str, dict]:
+  table = {}
+  for size_patch in _RELEASED:
+    size, patch = size_patch.split("/")
+    hidden_size, num_layers, num_heads, mlp_dim = _SIZES[size]
+    table[f"ViT-{size_patch}"] = dict(
+        patch_size=int(patch), hidden_size=hidden_size, num_layers=num_layers,
+        num_heads=num_heads, mlp_dim=mlp_dim)
+  table.update(_SMALL_IMAGE)
+  return table
+
+
+VARIANTS = _table()
+
+
+def get_variant(name: str) -> ml_collections.ConfigDict:
+  """Model hyper-parameters of a named variant, e.g. "ViT-B/16".
+
+  The result also carries the defaults of every other model option
+  (dropout, classifier, representation_size, ...) so it can be overridden
+  key by key and passed to `build_model`.
+  """
+  if name not in VARIANTS:
+    raise ValueError(f"Unknown ViT variant {name!r}. Known variants: "
+                     f"{', '.join(VARIANTS)}.")
+  config = ml_collections.ConfigDict(dict(
+      name=name,
+      dropout_rate=0.0,
+      attention_dropout_rate=0.0,
+      classifier="token",
+      representation_size=ml_collections.config_dict.placeholder(int),
+      approximate_gelu=True,
+      dtype="float32",
+      **VARIANTS[name],
+  ))
+  config.lock()
+  return config
+
+
+def build_model(model_config: ml_collections.ConfigDict, num_classes: int
+                ) -> models.VisionTransformer:
+  """A VisionTransformer from a `get_variant`-style config."""
+  if model_config.dtype not in ("float32", "bfloat16", "float16"):
+    raise ValueError(
+        f"config.model.dtype={model_config.dtype!r} is not supported; choose "
+        "float32, bfloat16 or float16.")
+  fields = dict(model_config)
+  fields.pop("name")
+  fields["dtype"] = jnp.dtype(fields["dtype"])
+  return models.VisionTransformer(num_classes=num_classes, **fields)
