@@ -11,7 +11,13 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from vit_jax import train
+from vit_jax import checkpoints, datasets, models, train
+
+# Errors whose message already says what went wrong and how to fix it: shown
+# as they are, without a traceback.
+_USER_ERRORS = (ValueError, datasets.DatasetUnavailableError,
+                checkpoints.CheckpointRestoreError, FloatingPointError,
+                models.ViTInputError)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file in configs/.", lock_config=True)
@@ -29,7 +35,10 @@ def main(argv):
   # Orbax logs every save at INFO; keep the console to our progress lines.
   logging.set_verbosity(logging.WARNING)
   print(f"Config {config_path}, workdir {workdir}", flush=True)
-  metrics = train.train_and_evaluate(_CONFIG.value, workdir)
+  try:
+    metrics = train.train_and_evaluate(_CONFIG.value, workdir)
+  except _USER_ERRORS as e:
+    raise SystemExit(f"{type(e).__name__}: {e}") from e
   print(f"Final test accuracy {metrics['accuracy']:.4f}, loss "
         f"{metrics['loss']:.4f} over {int(metrics['num_examples'])} images.",
         flush=True)
