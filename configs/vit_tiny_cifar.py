@@ -24,17 +24,10 @@ from vit_jax import configs
 
 
 def get_config():
+  # The shared defaults in vit_jax/configs.py are this recipe; only the data
+  # and the length are set here.
   config = configs.base_config("ViT-Ti/4")
   config.dataset = "cifar10"
   config.num_epochs = 200
-  config.batch_size = 128
-  config.eval_batch_size = 500
-  config.learning_rate = 1e-3
-  config.warmup_epochs = 5.0
-  config.weight_decay = 0.05
-  config.label_smoothing = 0.1
-  config.crop_padding = 4
   config.random_flip = True
-  config.log_every_steps = 50
-  config.checkpoint_every_steps = 1000
   return config

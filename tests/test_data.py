@@ -85,6 +85,24 @@ def test_load_raw_cifar10_binary_archive(tmp_path):
   assert dataset.class_names[0] == "airplane"
 
 
+def test_load_raw_cifar100_extracted_folder(tmp_path):
+  folder = tmp_path / "cifar-100-binary"
+  folder.mkdir()
+  rng = np.random.default_rng(1)
+  for name, count in (("train.bin", 50_000), ("test.bin", 10_000)):
+    labels = np.stack([rng.integers(0, 20, count), rng.integers(0, 100, count)],
+                      1).astype(np.uint8)
+    pixels = rng.integers(0, 256, (count, 3072), dtype=np.uint8)
+    (folder / name).write_bytes(np.concatenate([labels, pixels], 1).tobytes())
+  (folder / "fine_label_names.txt").write_text(
+      "\n".join(f"name{i}" for i in range(100)) + "\n")
+  dataset = datasets.load_raw("cifar100", str(tmp_path))
+  chex.assert_shape(dataset.test_images, (10_000, 32, 32, 3))
+  np.testing.assert_array_equal(dataset.test_labels, labels[:, 1])
+  assert dataset.class_names[42] == "name42"
+  assert dataset.num_classes == 100
+
+
 def test_cifar100_records_take_fine_label():
   images = np.arange(2 * 3072, dtype=np.uint64).astype(np.uint8).reshape(2, -1)
   records = np.concatenate([[[3, 71], [5, 99]], images], 1).astype(np.uint8)

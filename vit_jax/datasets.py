@@ -159,42 +159,45 @@ def parse_cifar_records(data: bytes, num_label_bytes: int, source: str
   return np.ascontiguousarray(images.transpose(0, 2, 3, 1)), labels
 
 
-def _cifar_member_reader(directory: str, name: str):
-  """A function member -> bytes over the archive or extracted folder, or None."""
+def _read_cifar_files(directory: str, name: str) -> Optional[dict[str, bytes]]:
+  """The needed CIFAR files' bytes, from the archive or an extracted folder.
+
+  Returns None when neither is in `directory`.
+  """
+  wanted = set(sum(_CIFAR_MEMBERS[name].values(), [])) | {
+      "fine_label_names.txt"}
   archive = os.path.join(directory, _CIFAR_ARCHIVES[name])
   if os.path.exists(archive):
     try:
-      tar = tarfile.open(archive, "r:gz")
-      # Only member contents are read; nothing is extracted to disk.
-      members = {os.path.basename(m.name): m for m in tar.getmembers()
-                 if m.isfile()}
+      with tarfile.open(archive, "r:gz") as tar:
+        # Member contents are read in memory; nothing is extracted to disk.
+        return {os.path.basename(m.name): tar.extractfile(m).read()
+                for m in tar.getmembers()
+                if m.isfile() and os.path.basename(m.name) in wanted}
     except (tarfile.TarError, OSError, EOFError) as e:
       raise DatasetFormatError(f"Cannot read {archive}: {e}. The archive is "
                                "corrupt or truncated; download it again.")
-    return lambda member: (tar.extractfile(members[member]).read()
-                           if member in members else None)
   for folder in (directory, os.path.join(directory, "cifar-10-batches-bin"),
                  os.path.join(directory, "cifar-100-binary")):
     if os.path.exists(os.path.join(folder, _CIFAR_MEMBERS[name]["test"][0])):
-      def read(member, folder=folder):
+      files = {}
+      for member in wanted:
         path = os.path.join(folder, member)
-        if not os.path.exists(path):
-          return None
-        with open(path, "rb") as f:
-          return f.read()
-      return read
+        if os.path.exists(path):
+          with open(path, "rb") as f:
+            files[member] = f.read()
+      return files
   return None
 
 
-def _load_cifar_split(read, name: str, split: str
+def _load_cifar_split(files: dict[str, bytes], name: str, split: str
                       ) -> tuple[np.ndarray, np.ndarray]:
   parts = []
   for member in _CIFAR_MEMBERS[name][split]:
-    data = read(member)
-    if data is None:
+    if member not in files:
       raise DatasetFormatError(f"The {name} files lack {member}.")
-    parts.append(parse_cifar_records(data, 2 if name == "cifar100" else 1,
-                                     member))
+    parts.append(parse_cifar_records(files[member],
+                                     2 if name == "cifar100" else 1, member))
   return (np.concatenate([p[0] for p in parts]),
           np.concatenate([p[1] for p in parts]))
 
@@ -208,13 +211,13 @@ def load_raw(name: str, directory: str) -> Optional[Dataset]:
     if train is None or test is None:
       return None
   else:
-    read = _cifar_member_reader(directory, name)
-    if read is None:
+    files = _read_cifar_files(directory, name)
+    if files is None:
       return None
-    train, test = (_load_cifar_split(read, name, s) for s in ("train", "test"))
-    if name == "cifar100":
-      names = read("fine_label_names.txt")
-      class_names = names.decode().split() if names else None
+    train, test = (_load_cifar_split(files, name, s)
+                   for s in ("train", "test"))
+    if name == "cifar100" and "fine_label_names.txt" in files:
+      class_names = files["fine_label_names.txt"].decode().split()
   for split, (images, labels), expected in (("train", train, spec.num_train),
                                             ("test", test, spec.num_test)):
     if images.shape[1:] != spec.image_shape or len(images) != expected:
