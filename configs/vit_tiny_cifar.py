@@ -16,8 +16,9 @@ Expected: these papers report 90-93% test accuracy for ViTs of this size
 with stronger augmentation (AutoAugment/RandAugment, Mixup/CutMix); with
 the crop + flip recipe here, expect about 85-88% on a GPU after 200 epochs
 (the ViT-Lite ablations without AutoAugment/Mixup land there). On the 2-core
-CPU of this project's machines one epoch takes about 20 minutes (390 steps
-at ~42 images/s; see benchmarks/train_throughput.py), so use a GPU/TPU.
+CPU of this project's machines one epoch takes about 24 minutes (390 steps
+at 34.9 images/s, train-step compile 8.4 s, measured with
+`python benchmarks/train_throughput.py`), so train it on a GPU/TPU.
 """
 
 from vit_jax import configs

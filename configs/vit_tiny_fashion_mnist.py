@@ -7,8 +7,11 @@ Reads the Debian files in /usr/share/datasets/fashion-mnist when they exist
 TFDS. Model "ViT-Mini/4": patch 4 (49 patches + class token), hidden 128,
 6 layers, 4 heads, MLP 256 (0.8 M parameters).
 
-Measured on the 2-core CPU of this project's machines: see the README table
-(about 90% test accuracy in 15 epochs).
+Measured on this project's 2-core CPU machine (no GPU): 5 epochs, test
+accuracy 64.2% / 74.3% / 80.5% / 83.5% / 84.6% after epochs 1-5, 30.4 min wall
+time including data loading and compilation (~210 images/s on a quiet
+machine). Longer training and stronger recipes do better; this config is
+the quick, plain one.
 """
 
 from vit_jax import configs
