@@ -21,6 +21,9 @@ from vit_jax import (augment, checkpoints, datasets, input_pipeline,
                      metric_writer, optim, sharding, validation, variants)
 
 
+_MAX_STEPS_IN_FLIGHT = 2
+
+
 class TrainState(train_state.TrainState):
   """Params, optimizer state, step, and the run's base RNG key.
 
@@ -129,8 +132,10 @@ def evaluate(eval_fn, state: TrainState, dataset: datasets.Dataset,
   for images, labels, mask in input_pipeline.eval_batches(
       dataset.test_images, dataset.test_labels, batch_size, mesh):
     sums = eval_fn(state, images, labels, mask)
-    totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    if totals is not None:
+      jax.block_until_ready(totals)  # bounded queue, as in the train loop
     # Summed on device: one host transfer per evaluation, not per batch.
+    totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
   totals = jax.device_get(totals)
   count = float(totals["count"])
   return {"loss": float(totals["loss_sum"]) / count,
@@ -229,6 +234,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
     state, metrics = train_fn(state, *next(batches))
     pending.append(metrics)
     done = step + 1
+    if len(pending) > _MAX_STEPS_IN_FLIGHT:
+      # Bound the asynchronous queue: waiting on an older step keeps the
+      # device fed while deep queues of sharded programs could deadlock
+      # XLA:CPU's collectives with many simulated devices on few cores.
+      jax.block_until_ready(pending[-_MAX_STEPS_IN_FLIGHT - 1]["loss"])
     if step == start_step:  # keep compilation out of the throughput figure
       jax.block_until_ready(metrics)
       log(f"Compiled and ran the first train step in "
