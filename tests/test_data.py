@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vit_jax import augment, configs, datasets, input_pipeline, sharding
+from vit_jax import (augment, configs, datasets, input_pipeline, raw_files,
+                     sharding)
 
 
 def _idx_bytes(array: np.ndarray) -> bytes:
@@ -26,7 +27,7 @@ def _write_idx_dataset(directory, num_train, num_test, seed=0):
   for split, count in (("train", num_train), ("test", num_test)):
     images = rng.integers(0, 256, (count, 28, 28), dtype=np.uint8)
     labels = rng.integers(0, 10, count, dtype=np.uint8)
-    image_stem, label_stem = datasets._IDX_FILES[split]
+    image_stem, label_stem = raw_files.IDX_FILES[split]
     with gzip.open(os.path.join(directory, image_stem + ".gz"), "wb",
                    compresslevel=1) as f:
       f.write(_idx_bytes(images))
@@ -39,11 +40,11 @@ def _write_idx_dataset(directory, num_train, num_test, seed=0):
 def test_idx_round_trip_and_truncation(tmp_path):
   images = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
   np.testing.assert_array_equal(
-      datasets.parse_idx(_idx_bytes(images), "x"), images)
-  with pytest.raises(datasets.DatasetFormatError, match="truncated"):
-    datasets.parse_idx(_idx_bytes(images)[:-1], "x")
-  with pytest.raises(datasets.DatasetFormatError, match="not an IDX file"):
-    datasets.parse_idx(b"PK\x03\x04junk", "x")
+      raw_files.parse_idx(_idx_bytes(images), "x"), images)
+  with pytest.raises(raw_files.DatasetFormatError, match="truncated"):
+    raw_files.parse_idx(_idx_bytes(images)[:-1], "x")
+  with pytest.raises(raw_files.DatasetFormatError, match="not an IDX file"):
+    raw_files.parse_idx(b"PK\x03\x04junk", "x")
 
 
 def test_load_raw_mnist_layout(tmp_path):
@@ -59,7 +60,7 @@ def test_load_raw_mnist_layout(tmp_path):
 
 def test_load_raw_rejects_short_dataset(tmp_path):
   _write_idx_dataset(tmp_path, 600, 100)
-  with pytest.raises(datasets.DatasetFormatError, match="has 600 images"):
+  with pytest.raises(raw_files.DatasetFormatError, match="has 600 images"):
     datasets.load_raw("fashion_mnist", str(tmp_path))
 
 
@@ -106,12 +107,12 @@ def test_load_raw_cifar100_extracted_folder(tmp_path):
 def test_cifar100_records_take_fine_label():
   images = np.arange(2 * 3072, dtype=np.uint64).astype(np.uint8).reshape(2, -1)
   records = np.concatenate([[[3, 71], [5, 99]], images], 1).astype(np.uint8)
-  parsed_images, labels = datasets.parse_cifar_records(records.tobytes(), 2,
+  parsed_images, labels = raw_files.parse_cifar_records(records.tobytes(), 2,
                                                        "t")
   np.testing.assert_array_equal(labels, [71, 99])
   chex.assert_shape(parsed_images, (2, 32, 32, 3))
-  with pytest.raises(datasets.DatasetFormatError, match="truncated"):
-    datasets.parse_cifar_records(records.tobytes()[:-5], 2, "t")
+  with pytest.raises(raw_files.DatasetFormatError, match="truncated"):
+    raw_files.parse_cifar_records(records.tobytes()[:-5], 2, "t")
 
 
 def test_real_fashion_mnist(fashion_mnist_dir):

@@ -1,12 +1,13 @@
 """`python main.py ...` end to end, in a subprocess, as a user runs it."""
 
+import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-from vit_jax import metric_writer
+from vit_jax import metric_writer, validation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,9 +83,12 @@ def test_main_reports_missing_data_with_fixes(tmp_path):
 @pytest.mark.parametrize("config", ["configs/vit_tiny_cifar.py",
                                     "configs/vit_tiny_fashion_mnist.py"])
 def test_shipped_configs_are_valid(config):
-  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
-  from vit_jax import validation  # pylint: disable=import-outside-toplevel
-  loaded = config_flags.config_flags._LoadConfigModule(  # pylint: disable=protected-access
-      "config", os.path.join(ROOT, config)).get_config()
+  spec = importlib.util.spec_from_file_location("config_module",
+                                                os.path.join(ROOT, config))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  loaded = module.get_config()
   validation.validate_config(loaded)
   assert loaded.is_locked
+  # Each config documents the command that runs it.
+  assert f"python main.py --config={config}" in module.__doc__

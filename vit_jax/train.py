@@ -230,42 +230,46 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
     writer.write(step, "train", metrics)
     timer_start, timer_step, paused = time.perf_counter(), step, 0.0
 
-  for step in range(start_step, total_steps):
-    state, metrics = train_fn(state, *next(batches))
-    pending.append(metrics)
-    done = step + 1
-    if len(pending) > _MAX_STEPS_IN_FLIGHT:
-      # Bound the asynchronous queue: waiting on an older step keeps the
-      # device fed while deep queues of sharded programs could deadlock
-      # XLA:CPU's collectives with many simulated devices on few cores.
-      jax.block_until_ready(pending[-_MAX_STEPS_IN_FLIGHT - 1]["loss"])
-    if step == start_step:  # keep compilation out of the throughput figure
-      jax.block_until_ready(metrics)
-      log(f"Compiled and ran the first train step in "
-          f"{time.perf_counter() - timer_start:.1f} s.")
-      timer_start, timer_step = time.perf_counter(), done
-    if done % config.log_every_steps == 0 or done == total_steps:
-      flush(done)
-    epoch = done // steps_per_epoch
-    evaluate_now = done == total_steps or (
-        done % steps_per_epoch == 0 and epoch % config.eval_every_epochs == 0)
-    save_now = (done % config.checkpoint_every_steps == 0 or
-                done == total_steps)
-    if evaluate_now or save_now:
-      jax.block_until_ready(state)
-      pause_start = time.perf_counter()  # not counted as training time
-      if evaluate_now:
-        eval_metrics = evaluate(eval_fn, state, dataset,
-                                config.eval_batch_size, mesh)
-        eval_metrics["epoch"] = done / steps_per_epoch
-        writer.write(done, "eval", eval_metrics)
-      if save_now:
-        check_finite(done)  # never save a state whose loss was not checked
-        checkpoints.save(manager, state)
-      paused += time.perf_counter() - pause_start
-  if not eval_metrics:  # nothing left to train: report the restored state
-    eval_metrics = evaluate(eval_fn, state, dataset, config.eval_batch_size,
-                            mesh)
-  manager.wait_until_finished()
-  manager.close()
+  try:
+    for step in range(start_step, total_steps):
+      state, metrics = train_fn(state, *next(batches))
+      pending.append(metrics)
+      done = step + 1
+      if len(pending) > _MAX_STEPS_IN_FLIGHT:
+        # Bound the asynchronous queue: waiting on an older step keeps the
+        # device fed while deep queues of sharded programs could deadlock
+        # XLA:CPU's collectives with many simulated devices on few cores.
+        jax.block_until_ready(pending[-_MAX_STEPS_IN_FLIGHT - 1]["loss"])
+      if step == start_step:  # keep compilation out of the throughput figure
+        jax.block_until_ready(metrics)
+        log(f"Compiled and ran the first train step in "
+            f"{time.perf_counter() - timer_start:.1f} s.")
+        timer_start, timer_step = time.perf_counter(), done
+      if done % config.log_every_steps == 0 or done == total_steps:
+        flush(done)
+      epoch = done // steps_per_epoch
+      evaluate_now = done == total_steps or (
+          done % steps_per_epoch == 0 and epoch % config.eval_every_epochs == 0)
+      save_now = (done % config.checkpoint_every_steps == 0 or
+                  done == total_steps)
+      if evaluate_now or save_now:
+        jax.block_until_ready(state)
+        pause_start = time.perf_counter()  # not counted as training time
+        if evaluate_now:
+          eval_metrics = evaluate(eval_fn, state, dataset,
+                                  config.eval_batch_size, mesh)
+          eval_metrics["epoch"] = done / steps_per_epoch
+          writer.write(done, "eval", eval_metrics)
+        if save_now:
+          check_finite(done)  # never save a state whose loss was not checked
+          checkpoints.save(manager, state)
+        paused += time.perf_counter() - pause_start
+    if not eval_metrics:  # nothing left to train: report the restored state
+      eval_metrics = evaluate(eval_fn, state, dataset, config.eval_batch_size,
+                              mesh)
+  finally:
+    # Let a save in flight finish even when training stops with an error,
+    # so the last good checkpoint is complete on disk.
+    manager.wait_until_finished()
+    manager.close()
   return eval_metrics
