@@ -76,10 +76,15 @@ class Dataset:
 
   def channel_stats(self) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel mean and std of the training images, in [0, 255] units."""
+    # From a 256-bin histogram per channel: exact, and no float copy of the
+    # whole dataset (1.2 GB for CIFAR-10 in float64).
     pixels = self.train_images.reshape(-1, self.train_images.shape[-1])
-    mean = pixels.mean(axis=0, dtype=np.float64)
-    std = np.sqrt(np.mean(np.square(pixels, dtype=np.float64), axis=0) -
-                  np.square(mean))
+    values = np.arange(256, dtype=np.float64)
+    counts = np.stack([np.bincount(pixels[:, c], minlength=256)
+                       for c in range(pixels.shape[1])]).astype(np.float64)
+    total = counts.sum(axis=1)
+    mean = counts @ values / total
+    std = np.sqrt(counts @ np.square(values) / total - np.square(mean))
     # A constant channel must not divide by zero (inf/NaN inputs).
     return mean.astype(np.float32), np.maximum(std, 1.0).astype(np.float32)
 

@@ -30,7 +30,10 @@ class MetricWriter:
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._enabled = jax.process_index() == 0
     if self._enabled and os.path.exists(self.path):
-      kept = [r for r in read_metrics(workdir) if r["step"] <= resume_step]
+      records = read_metrics(workdir)
+      kept = [r for r in records if r["step"] <= resume_step]
+      if len(kept) == len(records):
+        return
       temporary = self.path + ".tmp"
       with open(temporary, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in kept)
