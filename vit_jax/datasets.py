@@ -31,17 +31,21 @@ class DatasetSpec:
   num_train: int
   num_test: int
   flip: bool  # whether horizontal flips keep the label (not for digits)
+  raw_format: str  # "idx" (MNIST-style files) or "cifar" (binary records)
   system_dirs: tuple[str, ...] = ()
 
 
 SPECS = {
     "mnist": DatasetSpec(10, (28, 28, 1), 60_000, 10_000, flip=False,
+                         raw_format="idx",
                          system_dirs=("/usr/share/datasets/mnist",)),
     "fashion_mnist": DatasetSpec(
-        10, (28, 28, 1), 60_000, 10_000, flip=True,
+        10, (28, 28, 1), 60_000, 10_000, flip=True, raw_format="idx",
         system_dirs=("/usr/share/datasets/fashion-mnist",)),
-    "cifar10": DatasetSpec(10, (32, 32, 3), 50_000, 10_000, flip=True),
-    "cifar100": DatasetSpec(100, (32, 32, 3), 50_000, 10_000, flip=True),
+    "cifar10": DatasetSpec(10, (32, 32, 3), 50_000, 10_000, flip=True,
+                           raw_format="cifar"),
+    "cifar100": DatasetSpec(100, (32, 32, 3), 50_000, 10_000, flip=True,
+                            raw_format="cifar"),
 }
 
 CLASS_NAMES = {
@@ -94,7 +98,7 @@ def load_raw(name: str, directory: str) -> Optional[Dataset]:
   """Reads the standard raw files of `name` from `directory`, None if absent."""
   spec = SPECS[name]
   class_names = CLASS_NAMES.get(name)
-  if name in ("mnist", "fashion_mnist"):
+  if spec.raw_format == "idx":
     train, test = (raw_files.read_idx_split(directory, s)
                    for s in ("train", "test"))
     if train is None or test is None:
@@ -222,7 +226,7 @@ def _load_named(config: ml_collections.ConfigDict) -> Dataset:
 
 
 def _unavailable_message(name: str, tried: Sequence[str]) -> str:
-  if name in ("mnist", "fashion_mnist"):
+  if SPECS[name].raw_format == "idx":
     files = ", ".join(f"{stem}.gz" for pair in raw_files.IDX_FILES.values()
                       for stem in pair)
   else:
