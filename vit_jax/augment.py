@@ -43,12 +43,38 @@ def normalize(images: jax.Array, mean: np.ndarray, std: np.ndarray,
   return ((images.astype(jnp.float32) - mean) / std).astype(dtype)
 
 
+# Per-channel pixel mean and std (0-255 scale) of the fixed normalisations.
+FIXED_STATS = {
+    # [-1, 1], as the official and big_vision checkpoints were trained.
+    "inception": ((127.5,) * 3, (127.5,) * 3),
+    # ImageNet statistics, as torchvision and timm models were trained.
+    "imagenet": ((123.675, 116.28, 103.53), (58.395, 57.12, 57.375)),
+}
+NORMALIZATIONS = ("dataset",) + tuple(FIXED_STATS)
+
+
+def resize(images: jax.Array, image_size) -> jax.Array:
+  """Bilinear resize of (B, H, W, C) to (B, S, S, C) float32; None: as is."""
+  if image_size is None or images.shape[1:3] == (image_size, image_size):
+    return images
+  batch, _, _, channels = images.shape
+  return jax.image.resize(images.astype(jnp.float32),
+                          (batch, image_size, image_size, channels),
+                          "bilinear")
+
+
+def eval_preprocess(images: jax.Array, *, mean: np.ndarray, std: np.ndarray,
+                    image_size=None) -> jax.Array:
+  """Resizes (if image_size) and normalises an eval batch."""
+  return normalize(resize(images, image_size), mean, std)
+
+
 def train_preprocess(images: jax.Array, key: jax.Array, *, mean: np.ndarray,
-                     std: np.ndarray, crop_padding: int, flip: bool
-                     ) -> jax.Array:
+                     std: np.ndarray, crop_padding: int, flip: bool,
+                     image_size=None) -> jax.Array:
   """Augments and normalises a uint8 training batch. (B, H, W, C) -> float32."""
   crop_key, flip_key = jax.random.split(key)
   images = random_crop(images, crop_key, crop_padding)
   if flip:
     images = random_flip(images, flip_key)
-  return normalize(images, mean, std)
+  return eval_preprocess(images, mean=mean, std=std, image_size=image_size)

@@ -34,21 +34,41 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   # Augmentation, applied on device inside the train step.
   config.crop_padding = 4  # random crop after zero padding; 0 disables
   config.random_flip = config_dict.placeholder(bool)  # None: dataset default
+  # Resize (bilinear, on device) to image_size x image_size after the crop,
+  # e.g. 384 to fine-tune at the paper's resolution; None keeps the size.
+  config.image_size = config_dict.placeholder(int)
+  # Pixel scaling: "dataset" (per-channel mean/std of the training split),
+  # "inception" ([-1, 1]: official and big_vision checkpoints) or
+  # "imagenet" (ImageNet mean/std: torchvision, timm and most HF models).
+  config.normalization = "dataset"
+
+  # Start from a pretrained checkpoint (.npz, Orbax folder or PyTorch state
+  # dict); see vit_jax/pretrained.py. Ignored when resuming from workdir.
+  config.init_from = config_dict.placeholder(str)
+  config.posemb_resize = "bilinear"  # or "bicubic": for a new image size
+  config.trainable = "all"  # "head" freezes the rest: a linear probe
 
   config.model = variants.get_variant(model)
 
-  # Optimisation: AdamW, linear warm-up then cosine decay, global-norm clip.
-  config.batch_size = 128
+  # Optimisation: linear warm-up then cosine decay, global-norm clip, and
+  # "adamw" or "sgd" (with momentum: the paper's fine-tuning recipe).
+  config.optimizer = "adamw"
+  config.batch_size = 128  # examples per update, over all devices
+  # Split each batch into accum_steps micro-batches whose gradients are
+  # averaged: the same update as the whole batch, in 1/accum_steps memory.
+  config.accum_steps = 1
   config.eval_batch_size = 500
   config.num_epochs = 100
   config.num_train_steps = config_dict.placeholder(int)  # overrides epochs
   config.learning_rate = 1e-3
   config.end_learning_rate = 1e-5
   config.warmup_epochs = 5.0
+  config.warmup_steps = config_dict.placeholder(int)  # overrides the epochs
   config.weight_decay = 0.05
   config.decay_all_params = False  # also decay biases, LN scales, embeddings
   config.adam_b1 = 0.9
   config.adam_b2 = 0.999
+  config.momentum = 0.9  # for optimizer="sgd"
   config.grad_clip_norm = 1.0  # 0 disables clipping
   config.label_smoothing = 0.1
 

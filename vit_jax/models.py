@@ -103,13 +103,14 @@ class Encoder1DBlock(nn.Module):
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
   approximate_gelu: bool = True
+  layer_norm_epsilon: float = 1e-6
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
     norm = lambda name: nn.LayerNorm(
-        epsilon=1e-6, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        epsilon=self.layer_norm_epsilon, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
     y = norm("LayerNorm_0")(x)
     y = MultiHeadSelfAttention(
         num_heads=self.num_heads,
@@ -136,6 +137,7 @@ class Encoder(nn.Module):
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
   approximate_gelu: bool = True
+  layer_norm_epsilon: float = 1e-6
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -160,11 +162,12 @@ class Encoder(nn.Module):
           num_heads=self.num_heads, mlp_dim=self.mlp_dim,
           dropout_rate=self.dropout_rate,
           attention_dropout_rate=self.attention_dropout_rate,
-          approximate_gelu=self.approximate_gelu, dtype=self.dtype,
+          approximate_gelu=self.approximate_gelu,
+          layer_norm_epsilon=self.layer_norm_epsilon, dtype=self.dtype,
           param_dtype=self.param_dtype, name=f"encoderblock_{layer}")(
               x, deterministic=deterministic)
       self.sow("intermediates", "block_outputs", x)
-    return nn.LayerNorm(epsilon=1e-6, dtype=self.dtype,
+    return nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype,
                         param_dtype=self.param_dtype, name="encoder_norm")(x)
 
 
@@ -198,6 +201,8 @@ class VisionTransformer(nn.Module):
       width before the head (the paper's pre-training head).
     approximate_gelu: tanh-approximate GELU, as in the official JAX code and
       its checkpoints; False gives the exact erf GELU of PyTorch models.
+    layer_norm_epsilon: LayerNorm epsilon; 1e-6 as in the official code,
+      torchvision and timm; Hugging Face ViT checkpoints use 1e-12.
     dtype: compute dtype (bfloat16 on GPU/TPU); logits are returned float32.
     param_dtype: dtype the parameters are stored in (keep float32).
   """
@@ -212,6 +217,7 @@ class VisionTransformer(nn.Module):
   classifier: str = "token"
   representation_size: Optional[int] = None
   approximate_gelu: bool = True
+  layer_norm_epsilon: float = 1e-6
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -237,7 +243,8 @@ class VisionTransformer(nn.Module):
         num_layers=self.num_layers, num_heads=self.num_heads,
         mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
         attention_dropout_rate=self.attention_dropout_rate,
-        approximate_gelu=self.approximate_gelu, dtype=self.dtype,
+        approximate_gelu=self.approximate_gelu,
+        layer_norm_epsilon=self.layer_norm_epsilon, dtype=self.dtype,
         param_dtype=self.param_dtype, name="Transformer")(
             x, deterministic=not train)
 

@@ -18,7 +18,8 @@ import optax
 from flax.training import train_state
 
 from vit_jax import (augment, checkpoints, datasets, input_pipeline,
-                     metric_writer, optim, sharding, validation, variants)
+                     metric_writer, optim, pretrained, sharding, validation,
+                     variants)
 
 
 _MAX_STEPS_IN_FLIGHT = 2
@@ -60,26 +61,53 @@ def cross_entropy(logits: jax.Array, labels: jax.Array,
 
 def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
                preprocess: Callable[[jax.Array, jax.Array], jax.Array],
-               label_smoothing: float, learning_rate_fn: optax.Schedule
+               label_smoothing: float, learning_rate_fn: optax.Schedule,
+               accum_steps: int = 1
                ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step on a uint8 batch (B, H, W, C) with int labels (B,).
 
-  `preprocess(images, key)` augments and normalises on device.
+  `preprocess(images, key)` augments and normalises on device. With
+  accum_steps > 1 the batch is processed as that many micro-batches (a scan:
+  one micro-batch's activations live at a time) whose mean gradient makes
+  the single update, equal to the whole batch's gradient.
   """
-  augment_key, dropout_key = jax.random.split(
-      jax.random.fold_in(state.rng, state.step))
-  inputs = preprocess(images, augment_key)
+  step_key = jax.random.fold_in(state.rng, state.step)
 
-  def loss_fn(params):
-    logits = state.apply_fn({"params": params}, inputs, train=True,
-                            rngs={"dropout": dropout_key})
-    return cross_entropy(logits, labels, label_smoothing).mean(), logits
+  def gradients(images, labels, key):
+    augment_key, dropout_key = jax.random.split(key)
+    inputs = preprocess(images, augment_key)
 
-  (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-      state.params)
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, inputs, train=True,
+                              rngs={"dropout": dropout_key})
+      return cross_entropy(logits, labels, label_smoothing).mean(), logits
+
+    (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params)
+    return grads, loss, jnp.mean(jnp.argmax(logits, -1) == labels)
+
+  if accum_steps == 1:
+    grads, loss, accuracy = gradients(images, labels, step_key)
+  else:
+    # Micro-batch m takes rows m, m + accum_steps, ...: each device's rows
+    # stay on that device, so the split needs no communication.
+    def split(x):
+      x = x.reshape((x.shape[0] // accum_steps, accum_steps) + x.shape[1:])
+      return jnp.swapaxes(x, 0, 1)
+
+    def accumulate(totals, micro_batch):
+      images, labels, index = micro_batch
+      results = gradients(images, labels, jax.random.fold_in(step_key, index))
+      return jax.tree.map(jnp.add, totals, results), None
+
+    zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros(()),
+             jnp.zeros(()))
+    totals, _ = jax.lax.scan(accumulate, zeros, (
+        split(images), split(labels), jnp.arange(accum_steps)))
+    grads, loss, accuracy = jax.tree.map(lambda x: x / accum_steps, totals)
   metrics = {
       "loss": loss,
-      "accuracy": jnp.mean(jnp.argmax(logits, -1) == labels),
+      "accuracy": accuracy,
       "learning_rate": learning_rate_fn(state.step),
       "grad_norm": optax.global_norm(grads),
   }
@@ -110,16 +138,19 @@ def compile_steps(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
           train_step,
           preprocess=functools.partial(
               augment.train_preprocess, mean=mean, std=std,
-              crop_padding=config.crop_padding, flip=flip),
+              crop_padding=config.crop_padding, flip=flip,
+              image_size=config.image_size),
           label_smoothing=config.label_smoothing,
-          learning_rate_fn=learning_rate_fn),
+          learning_rate_fn=learning_rate_fn,
+          accum_steps=config.accum_steps),
       in_shardings=(replicated, batch, batch),
       out_shardings=(replicated, replicated),
       donate_argnums=0)
   eval_fn = jax.jit(
       functools.partial(
-          eval_step, preprocess=functools.partial(augment.normalize,
-                                                  mean=mean, std=std)),
+          eval_step, preprocess=functools.partial(
+              augment.eval_preprocess, mean=mean, std=std,
+              image_size=config.image_size)),
       in_shardings=(replicated, batch, batch, batch),
       out_shardings=replicated)
   return train_fn, eval_fn
@@ -143,6 +174,24 @@ def evaluate(eval_fn, state: TrainState, dataset: datasets.Dataset,
           "num_examples": count}
 
 
+def init_from_pretrained(config: ml_collections.ConfigDict, state: TrainState,
+                         image_size: tuple[int, int], mesh: jax.sharding.Mesh
+                         ) -> TrainState:
+  """`state` with params from config.init_from, fitted to the model."""
+  loaded, settings = pretrained.load_params(config.init_from,
+                                            config.model.num_heads)
+  pretrained.check_settings(settings, config.model)
+  grid = (image_size[0] // config.model.patch_size,
+          image_size[1] // config.model.patch_size)
+  params, report = pretrained.adapt_params(
+      loaded, jax.device_get(state.params), grid,
+      method=config.posemb_resize)
+  metric_writer.log(f"Initialised from {config.init_from} "
+                    f"({settings['source']}): " + "; ".join(report) + ".")
+  return state.replace(params=jax.device_put(params,
+                                             sharding.replicated(mesh)))
+
+
 def _mean_metrics(pending: list[dict[str, jax.Array]]) -> dict[str, float]:
   stacked = jax.device_get(jax.tree.map(lambda *xs: jnp.stack(xs), *pending))
   return {k: float(np.mean(v)) for k, v in stacked.items()}
@@ -158,6 +207,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
   mesh = sharding.make_mesh()
   sharding.check_batch_size(config.batch_size, mesh, "batch_size")
   sharding.check_batch_size(config.eval_batch_size, mesh, "eval_batch_size")
+  micro_batch = config.batch_size // config.accum_steps
+  if micro_batch % mesh.size:
+    raise ValueError(
+        f"The micro-batch config.batch_size / config.accum_steps = "
+        f"{micro_batch} does not split over {mesh.size} devices; pick "
+        f"accum_steps so that batch_size / accum_steps is a multiple of "
+        f"{mesh.size}.")
   log = metric_writer.log
 
   # Data.
@@ -169,7 +225,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
                      f"{num_train} training examples; lower it.")
   total_steps = config.num_train_steps or config.num_epochs * steps_per_epoch
   flip = (dataset.flip if config.random_flip is None else config.random_flip)
-  mean, std = dataset.channel_stats()
+  if config.normalization == "dataset":
+    mean, std = dataset.channel_stats()
+  else:
+    mean, std = (np.array(x) for x in augment.FIXED_STATS[config.normalization])
+  height, width, channels = dataset.image_shape
+  if config.image_size is not None:
+    height = width = config.image_size
   log(f"Data: {dataset.name} from {dataset.source}: {num_train} train / "
       f"{len(dataset.test_images)} test images of shape "
       f"{dataset.image_shape}, {dataset.num_classes} classes.")
@@ -179,7 +241,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
   learning_rate_fn = optim.learning_rate_schedule(config, total_steps,
                                                   steps_per_epoch)
   optimizer = optim.make_optimizer(config, learning_rate_fn)
-  state = create_train_state(model, dataset.image_shape, optimizer,
+  state = create_train_state(model, (height, width, channels), optimizer,
                              config.seed, mesh)
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
   log(f"Model: {config.model.name}, {num_params:,} parameters; "
@@ -193,6 +255,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
   start_step = restored_step or 0
   if restored_step is not None:
     log(f"Resumed from the checkpoint of step {restored_step} in {workdir}.")
+  elif config.init_from is not None:
+    state = init_from_pretrained(config, state, (height, width), mesh)
   writer = metric_writer.MetricWriter(workdir, resume_step=start_step)
 
   train_fn, eval_fn = compile_steps(config, mesh, mean, std, flip,

@@ -1,20 +1,35 @@
 """Config checks that run before any data is read or anything compiles."""
 
+import os
+
 import ml_collections
 
-from vit_jax import datasets, models
+from vit_jax import augment, datasets, models, optim, pretrained
 
 
 def image_shape_of(config: ml_collections.ConfigDict) -> tuple[int, int, int]:
-  """(H, W, C) of the configured dataset, known without loading it."""
+  """(H, W, C) the model sees, known without loading the dataset.
+
+  That is the dataset's image shape, or config.image_size square if set.
+  """
   if config.dataset == "synthetic":
     s = config.synthetic
-    return (s.image_size, s.image_size, s.channels)
-  if config.dataset not in datasets.SPECS:
+    shape = (s.image_size, s.image_size, s.channels)
+  elif config.dataset not in datasets.SPECS:
     raise ValueError(
         f"config.dataset={config.dataset!r} is not supported; choose one of "
         f"{sorted(datasets.SPECS) + ['synthetic']}.")
-  return datasets.SPECS[config.dataset].image_shape
+  else:
+    shape = datasets.SPECS[config.dataset].image_shape
+  if config.image_size is not None:
+    shape = (config.image_size, config.image_size, shape[2])
+  return shape
+
+
+def _check_choice(config, key: str, choices) -> None:
+  if config[key] not in choices:
+    raise ValueError(f"config.{key}={config[key]!r} is not supported; choose "
+                     f"one of {tuple(choices)}.")
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -31,16 +46,34 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if not 0.0 <= config.label_smoothing < 1.0:
     raise ValueError(f"config.label_smoothing={config.label_smoothing} must "
                      "be in [0, 1).")
+  _check_choice(config, "optimizer", optim.OPTIMIZERS)
+  _check_choice(config, "trainable", optim.TRAINABLE)
+  _check_choice(config, "normalization", augment.NORMALIZATIONS)
+  _check_choice(config, "posemb_resize", pretrained.RESIZE_METHODS)
+  if config.accum_steps < 1 or config.batch_size % config.accum_steps:
+    raise ValueError(
+        f"config.accum_steps={config.accum_steps} must be >= 1 and divide "
+        f"config.batch_size={config.batch_size}.")
+  if config.image_size is not None and config.image_size <= 0:
+    raise ValueError(f"config.image_size={config.image_size} must be "
+                     "positive (or None to keep the dataset's size).")
+  if config.init_from is not None and not os.path.exists(config.init_from):
+    raise ValueError(f"config.init_from={config.init_from!r}: no such file "
+                     "or folder.")
   if config.crop_padding < 0:
     raise ValueError(f"config.crop_padding={config.crop_padding} must be >= 0.")
 
   model = config.model
-  height, width, _ = image_shape_of(config)
+  height, width, channels = image_shape_of(config)
   if height % model.patch_size or width % model.patch_size:
     raise ValueError(
         f"config.model.patch_size={model.patch_size} does not divide the "
         f"{height}x{width} images of {config.dataset}; choose a patch size "
-        f"that divides {height} and {width}.")
+        f"that divides {height} and {width} (or set config.image_size).")
+  if config.normalization == "imagenet" and channels != 3:
+    raise ValueError(
+        f"config.normalization='imagenet' needs RGB images; {config.dataset} "
+        f"has {channels} channel(s). Use 'dataset' or 'inception'.")
   if model.hidden_size % model.num_heads:
     raise ValueError(
         f"config.model.num_heads={model.num_heads} does not divide "

@@ -66,6 +66,7 @@ def get_variant(name: str) -> ml_collections.ConfigDict:
       classifier="token",
       representation_size=ml_collections.config_dict.placeholder(int),
       approximate_gelu=True,
+      layer_norm_epsilon=1e-6,
       dtype="float32",
       **VARIANTS[name],
   ))
