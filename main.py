@@ -15,7 +15,8 @@ from vit_jax import checkpoints, datasets, models, train
 
 # Errors whose message already says what went wrong and how to fix it: shown
 # as they are, without a traceback.
-_USER_ERRORS = (ValueError, datasets.DatasetUnavailableError,
+_USER_ERRORS = (ValueError, FileNotFoundError,
+                datasets.DatasetUnavailableError,
                 checkpoints.CheckpointRestoreError, FloatingPointError,
                 models.ViTInputError)
 

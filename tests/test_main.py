@@ -81,14 +81,41 @@ def test_main_reports_missing_data_with_fixes(tmp_path):
 
 
 @pytest.mark.parametrize("config", ["configs/vit_tiny_cifar.py",
-                                    "configs/vit_tiny_fashion_mnist.py"])
-def test_shipped_configs_are_valid(config):
+                                    "configs/vit_tiny_fashion_mnist.py",
+                                    "configs/vit_b16_finetune_cifar10.py"])
+def test_shipped_configs_are_valid(config, tmp_path):
   spec = importlib.util.spec_from_file_location("config_module",
                                                 os.path.join(ROOT, config))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   loaded = module.get_config()
+  if loaded.init_from is not None:  # a file the user downloads
+    loaded.init_from = str(tmp_path)
   validation.validate_config(loaded)
   assert loaded.is_locked
   # Each config documents the command that runs it.
   assert f"python main.py --config={config}" in module.__doc__
+
+
+@pytest.mark.slow
+def test_finetune_config_runs_from_an_official_layout_checkpoint(tmp_path):
+  """The README's fine-tuning smoke run: random ImageNet-21k-shaped ViT-B/16
+  .npz -> 384 px, new head, SGD with accumulation, on synthetic data."""
+  npz = str(tmp_path / "ViT-B_16.npz")
+  converted = subprocess.run(
+      [sys.executable, "-m", "vit_jax.convert", "--random_init=ViT-B/16",
+       "--num_classes=21843", "--representation_size=768",
+       f"--output={npz}"], cwd=ROOT, capture_output=True, text=True,
+      timeout=600)
+  assert converted.returncode == 0, converted.stderr
+  assert "103,186,515 parameters" in converted.stdout
+  result = _run_main(
+      "--config=configs/vit_b16_finetune_cifar10.py",
+      f"--config.init_from={npz}", "--config.dataset=synthetic",
+      "--config.batch_size=4", "--config.accum_steps=2",
+      "--config.num_train_steps=2", "--config.eval_batch_size=4",
+      "--config.synthetic.num_eval=4", f"--workdir={tmp_path / 'run'}")
+  assert result.returncode == 0, result.stderr
+  assert "86,090,496 of 86,098,186 parameters loaded" in result.stdout
+  assert "(1, 197, 768) -> (1, 577, 768) (bilinear)" in result.stdout
+  assert "Final test accuracy" in result.stdout

@@ -5,6 +5,9 @@ state dict converted, and both models run on the same random images.
 """
 
 import fractions
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -227,3 +230,34 @@ def test_torchvision_vit_b_16_full_size_parity():
   scale = np.max(np.abs(_torch_logits(model, images)))
   assert diff <= TOLERANCE * max(1.0, scale)
   assert settings["classifier"] == "token"
+
+
+def _convert(*flags):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return subprocess.run([sys.executable, "-m", "vit_jax.convert", *flags],
+                        cwd=root, capture_output=True, text=True, timeout=300)
+
+
+def test_convert_command_pytorch_to_npz_and_back(tmp_path):
+  model = _randomize(_timm_model(), seed=6)
+  source = str(tmp_path / "timm.pth")
+  torch.save(model.state_dict(), source)
+  missing_heads = _convert(f"--input={source}", "--output=x.npz")
+  assert missing_heads.returncode != 0
+  assert "does not record the number of attention heads" in (
+      missing_heads.stderr)
+  npz = str(tmp_path / "timm.npz")
+  result = _convert(f"--input={source}", "--num_heads=3", f"--output={npz}")
+  assert result.returncode == 0, result.stderr
+  assert "exact GELU" in result.stdout and "as official .npz" in result.stdout
+  expected, _ = torch_checkpoints.convert_state_dict(_state(model), 3)
+  loaded, _ = pretrained.load_params(npz, 3)
+  assert all(jax.tree.leaves(jax.tree.map(np.array_equal, loaded, expected)))
+  back = str(tmp_path / "back.safetensors")
+  assert _convert(f"--input={npz}", f"--output={back}").returncode == 0
+  fresh = _timm_model()
+  fresh.load_state_dict({k: torch.from_numpy(v) for k, v in
+                         torch_checkpoints.read_state_dict(back).items()})
+  images = _images(seed=7)
+  np.testing.assert_array_equal(_torch_logits(fresh.eval(), images),
+                                _torch_logits(model, images))

@@ -10,27 +10,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from helpers import small_config
 from vit_jax import (augment, configs, datasets, input_pipeline,
                      metric_writer, optim, sharding, train, variants)
-
-
-def _small_config(**overrides):
-  config = configs.base_config("ViT-Mini/4")
-  config.model.hidden_size = 32
-  config.model.num_layers = 2
-  config.model.num_heads = 2
-  config.model.mlp_dim = 64
-  config.dataset = "synthetic"
-  config.synthetic.image_size = 16
-  config.synthetic.num_train = 64
-  config.synthetic.num_eval = 40
-  config.batch_size = 16
-  config.eval_batch_size = 16
-  config.warmup_epochs = 1.0
-  config.log_every_steps = 2
-  for key, value in overrides.items():
-    config[key] = value
-  return config
 
 
 def _build(config, mesh, total_steps=20, steps_per_epoch=4):
@@ -48,7 +30,7 @@ def _build(config, mesh, total_steps=20, steps_per_epoch=4):
 
 
 def test_overfits_a_fixed_batch_of_noise():
-  config = _small_config(crop_padding=0, label_smoothing=0.0,
+  config = small_config(crop_padding=0, label_smoothing=0.0,
                          weight_decay=0.0, learning_rate=3e-3)
   mesh = sharding.make_mesh()
   _, state, train_fn, _ = _build(config, mesh, total_steps=150)
@@ -67,7 +49,7 @@ def test_overfits_a_fixed_batch_of_noise():
 
 def test_eight_devices_match_one_device():
   assert jax.device_count() == 8, "conftest sets 8 simulated CPU devices"
-  config = _small_config()
+  config = small_config()
   trajectories, final_params = [], []
   for devices in (jax.devices()[:1], jax.devices()):
     mesh = sharding.make_mesh(devices)
@@ -91,7 +73,7 @@ def test_eight_devices_match_one_device():
 
 
 def test_eval_step_ignores_padding():
-  config = _small_config()
+  config = small_config()
   mesh = sharding.make_mesh()
   dataset, state, _, eval_fn = _build(config, mesh)
   images = dataset.test_images[:16]
@@ -109,7 +91,7 @@ def test_eval_step_ignores_padding():
 
 
 def test_weight_decay_mask_spares_biases_norms_and_embeddings():
-  config = _small_config()
+  config = small_config()
   model = variants.build_model(config.model, 10)
   params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16, 16, 3)))
   mask = optim.weight_decay_mask(params["params"])
@@ -123,7 +105,7 @@ def test_weight_decay_mask_spares_biases_norms_and_embeddings():
 
 
 def test_learning_rate_warms_up_then_decays_by_cosine():
-  config = _small_config(learning_rate=1.0, end_learning_rate=0.0,
+  config = small_config(learning_rate=1.0, end_learning_rate=0.0,
                          warmup_epochs=2.0)
   schedule = optim.learning_rate_schedule(config, total_steps=100,
                                           steps_per_epoch=10)
@@ -141,7 +123,7 @@ def _read_checkpoint(workdir, step):
 
 
 def test_resume_continues_exactly(tmp_path):
-  config = _small_config(num_train_steps=8, checkpoint_every_steps=4)
+  config = small_config(num_train_steps=8, checkpoint_every_steps=4)
   config.model.dropout_rate = 0.1  # the dropout RNG must resume too
   workdir = str(tmp_path / "run")
   train.train_and_evaluate(config, workdir)
@@ -166,7 +148,7 @@ def test_resume_continues_exactly(tmp_path):
 def test_nan_loss_stops_training_and_saves_nothing(tmp_path, monkeypatch):
   monkeypatch.setattr(augment, "train_preprocess",
                       lambda images, key, **_: jnp.full(images.shape, jnp.nan))
-  config = _small_config(num_train_steps=4, checkpoint_every_steps=2)
+  config = small_config(num_train_steps=4, checkpoint_every_steps=2)
   with pytest.raises(FloatingPointError, match="loss became nan at step 1"):
     train.train_and_evaluate(config, str(tmp_path))
   assert os.listdir(tmp_path / "checkpoints") == []
@@ -179,7 +161,7 @@ def test_nan_loss_stops_training_and_saves_nothing(tmp_path, monkeypatch):
     (dict(label_smoothing=1.5), "label_smoothing=1.5"),
 ])
 def test_bad_config_fails_before_loading_data(tmp_path, overrides, message):
-  config = _small_config(raw_data_dir=str(tmp_path / "absent"),
+  config = small_config(raw_data_dir=str(tmp_path / "absent"),
                          data_source="raw")
   config.model.patch_size = 4 if "dataset" not in overrides else 3
   config.synthetic.image_size = 16

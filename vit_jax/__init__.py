@@ -5,6 +5,9 @@
 
 The trainer: `train_and_evaluate(config, workdir)`, or the pieces
 `create_train_state`, `train_step`, `eval_step` for a loop of your own.
+Pretrained checkpoints: `load_params(path, num_heads)` reads official .npz,
+Orbax and PyTorch files, `adapt_params` fits them to a model
+(vit_jax.pretrained); `python -m vit_jax.convert` writes them back out.
 """
 
 from vit_jax.configs import base_config
@@ -12,6 +15,7 @@ from vit_jax.datasets import Dataset, DatasetUnavailableError, load as load_data
 from vit_jax.models import (Encoder, Encoder1DBlock, MlpBlock,
                             MultiHeadSelfAttention, ViTInputError,
                             VisionTransformer)
+from vit_jax.pretrained import adapt_params, load_params, resize_pos_embedding
 from vit_jax.train import (TrainState, create_train_state, eval_step,
                            train_and_evaluate, train_step)
 from vit_jax.variants import VARIANTS, build_model, get_variant

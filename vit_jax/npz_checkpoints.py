@@ -145,6 +145,9 @@ def save_npz(params, path: str) -> None:
   try:
     with os.fdopen(handle, "wb") as f:
       np.savez(f, **flatten(params))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp creates files 0600
     os.replace(tmp_path, path)
   except BaseException:
     os.unlink(tmp_path)

@@ -215,6 +215,10 @@ def _from_canonical(canonical, layout) -> dict[str, np.ndarray]:
 def _canonical_to_params(canonical, num_heads: int) -> dict:
   c = canonical
   width = c["patch.weight"].shape[0]
+  if not num_heads or num_heads < 1:
+    raise CheckpointFormatError(
+        "A PyTorch state dict does not record the number of attention "
+        "heads; give it (config.model.num_heads, or --num_heads).")
   if width % num_heads:
     raise CheckpointFormatError(
         f"num_heads={num_heads} does not divide the checkpoint's width "

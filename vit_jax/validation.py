@@ -58,8 +58,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.image_size={config.image_size} must be "
                      "positive (or None to keep the dataset's size).")
   if config.init_from is not None and not os.path.exists(config.init_from):
-    raise ValueError(f"config.init_from={config.init_from!r}: no such file "
-                     "or folder.")
+    raise ValueError(
+        f"config.init_from={config.init_from!r}: no such file or folder. "
+        "Give the path of a checkpoint: an official .npz (release files such "
+        "as imagenet21k/ViT-B_16.npz), a vit_jax workdir, or a torchvision/"
+        "timm/Hugging Face state dict (.pth, .bin, .safetensors).")
   if config.crop_padding < 0:
     raise ValueError(f"config.crop_padding={config.crop_padding} must be >= 0.")
 

@@ -1,0 +1,23 @@
+"""Shared helpers of the tests."""
+
+from vit_jax import configs
+
+
+def small_config(**overrides):
+  """A 2-layer, 32-wide ViT on 16x16 synthetic data: compiles in seconds."""
+  config = configs.base_config("ViT-Mini/4")
+  config.model.hidden_size = 32
+  config.model.num_layers = 2
+  config.model.num_heads = 2
+  config.model.mlp_dim = 64
+  config.dataset = "synthetic"
+  config.synthetic.image_size = 16
+  config.synthetic.num_train = 64
+  config.synthetic.num_eval = 40
+  config.batch_size = 16
+  config.eval_batch_size = 16
+  config.warmup_epochs = 1.0
+  config.log_every_steps = 2
+  for key, value in overrides.items():
+    config[key] = value
+  return config
