@@ -7,9 +7,10 @@ The setup of the official google-research/vision_transformer fine-tuning
 (Dosovitskiy et al., 2020, Appendix B.1.1): the ImageNet-21k checkpoint
 (`imagenet21k/ViT-B_16.npz` of the official release; torchvision, timm and
 Hugging Face files load too), its pre-logits layer dropped and a new
-zero-initialised 10-class head; CIFAR-10 images resized to 384x384 (the
-224-px position embedding interpolated bilinearly to the 24x24 grid),
-pixels scaled to [-1, 1]; SGD with momentum 0.9, batch 512, learning rate
+zero-initialised 10-class head; CIFAR-10 training images cropped
+Inception-style (random box of 5-100% of the area) and resized to 384x384,
+test images resized (the 224-px position embedding interpolated bilinearly
+to the 24x24 grid), random flips, pixels scaled to [-1, 1]; SGD with momentum 0.9, batch 512, learning rate
 0.03, 500 warm-up steps then cosine decay over 10,000 steps, gradient clipped
 to global norm 1, no weight decay, no dropout, no label smoothing.
 
@@ -42,7 +43,9 @@ def get_config():
   config.posemb_resize = "bilinear"
   config.image_size = 384
   config.normalization = "inception"
-  config.crop_padding = 4
+  config.crop_padding = 0
+  config.random_resized_crop = True  # Inception crop, area 5-100%
+  config.min_crop_area = 0.05
   config.random_flip = True
 
   config.optimizer = "sgd"

@@ -244,3 +244,50 @@ def test_normalize_standardises_per_channel():
                              atol=1e-5)
   np.testing.assert_allclose(np.asarray(out).reshape(-1, 3).std(0), 1,
                              atol=1e-4)
+
+
+def _ramps(batch, size):
+  """Channel 0 = column index, channel 1 = row index (float32)."""
+  columns = np.broadcast_to(np.arange(size, dtype=np.float32), (size, size))
+  return jnp.asarray(np.broadcast_to(np.stack([columns, columns.T], -1),
+                                     (batch, size, size, 2)))
+
+
+def test_random_resized_crop_whole_image_is_a_bilinear_resize():
+  """Full area, square box: output pixel i samples input (i + 0.5)/2 - 0.5."""
+  out = augment.random_resized_crop(_ramps(2, 8), jax.random.PRNGKey(0), 16,
+                                    min_area=1.0, aspect_ratios=(1.0, 1.0))
+  chex.assert_shape(out, (2, 16, 16, 2))
+  expected = (np.arange(16) + 0.5) / 2 - 0.5
+  np.testing.assert_allclose(out[0, 5, 1:-1, 0], expected[1:-1], atol=1e-5)
+  np.testing.assert_allclose(out[1, 1:-1, 3, 1], expected[1:-1], atol=1e-5)
+
+
+def test_random_resized_crop_box_statistics():
+  size, out_size, batch = 64, 32, 512
+  out = np.asarray(augment.random_resized_crop(
+      _ramps(batch, size), jax.random.PRNGKey(1), out_size, min_area=0.05))
+  # The crop's extent along each axis, read off the ramps.
+  width = np.ptp(out[:, 0, :, 0], axis=1) * out_size / (out_size - 1)
+  height = np.ptp(out[:, :, 0, 1], axis=1) * out_size / (out_size - 1)
+  area = width * height / size**2
+  assert area.min() > 0.03 and area.max() <= 1.0 + 1e-3
+  # Uniform in [0.05, 1] has mean 0.525; clipping to the image lowers it.
+  assert 0.42 < area.mean() < 0.56
+  aspect = width / height
+  assert aspect.min() > 0.6 and aspect.max() < 1.6
+  assert np.all(out >= -1e-4) and np.all(out <= size - 1 + 1e-4)
+  assert len(np.unique(np.round(width, 2))) > batch // 2  # per-image boxes
+
+
+def test_train_preprocess_resized_crop_and_eval_resize():
+  images = jnp.full((4, 32, 32, 3), 200, jnp.uint8)
+  mean, std = np.full(3, 100.0), np.full(3, 50.0)
+  train_out = augment.train_preprocess(
+      images, jax.random.PRNGKey(0), mean=mean, std=std, crop_padding=0,
+      flip=True, image_size=48, resized_crop=True)
+  eval_out = augment.eval_preprocess(images, mean=mean, std=std,
+                                     image_size=48)
+  for out in (train_out, eval_out):
+    chex.assert_shape(out, (4, 48, 48, 3))
+    np.testing.assert_allclose(out, 2.0, rtol=1e-5)  # constant stays

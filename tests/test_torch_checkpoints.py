@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from vit_jax import npz_checkpoints, pretrained, torch_checkpoints
+from vit_jax import npz_checkpoints, pretrained, torch_checkpoints, variants
 from vit_jax.models import VisionTransformer
 from vit_jax.npz_checkpoints import CheckpointFormatError
 
@@ -23,6 +23,8 @@ torch = pytest.importorskip(
 timm = pytest.importorskip("timm", reason="needs the [torch] extra")
 torchvision = pytest.importorskip("torchvision", reason="needs [torch] extra")
 transformers = pytest.importorskip("transformers", reason="needs [torch]")
+safetensors = pytest.importorskip("safetensors.torch",
+                                  reason="needs [torch]")
 
 DIMS = dict(image=32, patch=4, width=48, layers=2, heads=3, mlp=96,
             classes=10)
@@ -132,6 +134,29 @@ def test_hugging_face_parity_and_epsilon():
   assert settings["source"] == "hugging_face"
 
 
+def test_hugging_face_vit_model_pooler_is_pre_logits():
+  """ViTModel (no `vit.` prefix, tanh pooler) -> our pre-logits layer."""
+  config = _hf_model().config
+  model = _randomize(transformers.ViTModel(config, add_pooling_layer=True))
+  params, settings = torch_checkpoints.convert_state_dict(_state(model),
+                                                          DIMS["heads"])
+  assert "head" not in params and settings["source"] == "hugging_face"
+  params["head"] = {"kernel": np.zeros((DIMS["width"], 1), np.float32),
+                    "bias": np.zeros(1, np.float32)}
+  images = _images()
+  ours = VisionTransformer(
+      num_classes=1, patch_size=DIMS["patch"], hidden_size=DIMS["width"],
+      num_layers=DIMS["layers"], num_heads=DIMS["heads"],
+      mlp_dim=DIMS["mlp"], representation_size=DIMS["width"],
+      approximate_gelu=False, layer_norm_epsilon=1e-12)
+  _, state = ours.apply({"params": params}, images,
+                        mutable=["intermediates"])
+  with torch.no_grad():
+    pooled = model(torch.from_numpy(images.transpose(0, 3, 1, 2)))
+  np.testing.assert_allclose(state["intermediates"]["pre_logits"][0],
+                             pooled.pooler_output.numpy(), atol=TOLERANCE)
+
+
 def test_hugging_face_transformers_v4_names():
   """Files on the Hub use transformers-4 names; they load the same."""
   model = _randomize(_hf_model())
@@ -165,8 +190,10 @@ def test_export_loads_into_pytorch_and_round_trips(layout, tmp_path):
     path = str(tmp_path / f"model{suffix}")
     torch_checkpoints.save_state_dict(exported, path)
     fresh = _timm_model() if layout == "timm" else _torchvision_model()
-    fresh.load_state_dict({k: torch.from_numpy(v) for k, v in
-                           torch_checkpoints.read_state_dict(path).items()})
+    if suffix == ".safetensors":  # read back with the reference reader
+      fresh.load_state_dict(safetensors.torch.load_file(path))
+    else:
+      fresh.load_state_dict(torch.load(path, weights_only=True))
     images = _images(seed=4)
     np.testing.assert_array_equal(_torch_logits(fresh.eval(), images),
                                   _torch_logits(model, images))
@@ -192,6 +219,26 @@ def test_exported_npz_loads_with_timm_npz_loader(tmp_path):
   diff = np.max(np.abs(_torch_logits(model.eval(), images) -
                        np.asarray(ours.apply({"params": params}, images))))
   assert diff <= TOLERANCE
+
+
+def test_half_precision_safetensors_are_read(tmp_path):
+  """bfloat16/float16 files (common on the Hub) read without torch."""
+  model = _randomize(_timm_model(), seed=8)
+  for dtype in (torch.bfloat16, torch.float16):
+    path = str(tmp_path / f"{dtype}.safetensors")
+    half = {k: v.to(dtype) for k, v in model.state_dict().items()}
+    safetensors.save_file(half, path)
+    state = torch_checkpoints.read_state_dict(path)
+    for key, value in half.items():
+      np.testing.assert_array_equal(state[key], value.float().numpy())
+
+
+def test_truncated_safetensors_is_refused(tmp_path):
+  path = tmp_path / "model.safetensors"
+  safetensors.save_file(_timm_model().state_dict(), str(path))
+  path.write_bytes(path.read_bytes()[:1000])
+  with pytest.raises(CheckpointFormatError, match="truncated"):
+    torch_checkpoints.read_state_dict(str(path))
 
 
 def test_unsupported_features_are_refused():
@@ -261,3 +308,23 @@ def test_convert_command_pytorch_to_npz_and_back(tmp_path):
   images = _images(seed=7)
   np.testing.assert_array_equal(_torch_logits(fresh.eval(), images),
                                 _torch_logits(model, images))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("builder,variant", [
+    ("vit_b_16", "ViT-B/16"), ("vit_b_32", "ViT-B/32"),
+    ("vit_l_16", "ViT-L/16"), ("vit_l_32", "ViT-L/32"),
+    ("vit_h_14", "ViT-H/14")])
+def test_torchvision_builders_map_onto_the_named_variants(builder, variant):
+  """Every torchvision builder's state dict has exactly our variant's tree."""
+  model = getattr(torchvision.models, builder)(weights=None)
+  config = variants.get_variant(variant)
+  params, _ = torch_checkpoints.convert_state_dict(_state(model),
+                                                   config.num_heads)
+  del model
+  shapes = jax.eval_shape(
+      variants.build_model(config, 1000).init, jax.random.PRNGKey(0),
+      jax.ShapeDtypeStruct((1, 224, 224, 3), np.float32))["params"]
+  assert jax.tree.structure(params) == jax.tree.structure(shapes)
+  assert jax.tree.map(np.shape, params) == jax.tree.map(
+      lambda s: s.shape, shapes)

@@ -29,6 +29,38 @@ def random_crop(images: jax.Array, key: jax.Array, padding: int) -> jax.Array:
   return jax.vmap(crop)(padded, offsets)
 
 
+def random_resized_crop(images: jax.Array, key: jax.Array, size: int,
+                        min_area: float = 0.05,
+                        aspect_ratios: tuple[float, float] = (3 / 4, 4 / 3)
+                        ) -> jax.Array:
+  """Inception-style crop: a random box, resized to (size, size). float32.
+
+  Each image gets a box covering a uniform fraction in [min_area, 1] of its
+  area with a log-uniform aspect ratio (clipped to the image rather than
+  resampled), resized bilinearly with antialiasing. min_area=0.05 is the
+  official ViT fine-tuning setting (timm uses 0.08). (B, H, W, C) input.
+  """
+  batch, height, width, channels = images.shape
+  area_key, ratio_key, y_key, x_key = jax.random.split(key, 4)
+  area = jax.random.uniform(area_key, (batch,), minval=min_area,
+                            maxval=1.0) * height * width
+  aspect = jnp.exp(jax.random.uniform(
+      ratio_key, (batch,), minval=np.log(aspect_ratios[0]),
+      maxval=np.log(aspect_ratios[1])))
+  crop_height = jnp.clip(jnp.sqrt(area / aspect), 1.0, height)
+  crop_width = jnp.clip(jnp.sqrt(area * aspect), 1.0, width)
+  top = jax.random.uniform(y_key, (batch,)) * (height - crop_height)
+  left = jax.random.uniform(x_key, (batch,)) * (width - crop_width)
+
+  def crop(image, top, left, crop_height, crop_width):
+    scale = jnp.stack([size / crop_height, size / crop_width])
+    return jax.image.scale_and_translate(
+        image.astype(jnp.float32), (size, size, channels), (0, 1), scale,
+        -jnp.stack([top, left]) * scale, "linear", antialias=True)
+
+  return jax.vmap(crop)(images, top, left, crop_height, crop_width)
+
+
 def random_flip(images: jax.Array, key: jax.Array) -> jax.Array:
   """Mirrors each image left-right with probability 1/2. (B, H, W, C)."""
   flip = jax.random.bernoulli(key, 0.5, (images.shape[0], 1, 1, 1))
@@ -71,10 +103,19 @@ def eval_preprocess(images: jax.Array, *, mean: np.ndarray, std: np.ndarray,
 
 def train_preprocess(images: jax.Array, key: jax.Array, *, mean: np.ndarray,
                      std: np.ndarray, crop_padding: int, flip: bool,
-                     image_size=None) -> jax.Array:
-  """Augments and normalises a uint8 training batch. (B, H, W, C) -> float32."""
+                     image_size=None, resized_crop: bool = False,
+                     min_crop_area: float = 0.05) -> jax.Array:
+  """Augments and normalises a uint8 training batch. (B, H, W, C) -> float32.
+
+  Crop (with padding, or random-resized to image_size), flip, resize.
+  """
   crop_key, flip_key = jax.random.split(key)
-  images = random_crop(images, crop_key, crop_padding)
+  if resized_crop:
+    images = random_resized_crop(images, crop_key,
+                                 image_size or images.shape[1],
+                                 min_area=min_crop_area)
+  else:
+    images = random_crop(images, crop_key, crop_padding)
   if flip:
     images = random_flip(images, flip_key)
   return eval_preprocess(images, mean=mean, std=std, image_size=image_size)

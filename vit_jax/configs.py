@@ -33,6 +33,11 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
 
   # Augmentation, applied on device inside the train step.
   config.crop_padding = 4  # random crop after zero padding; 0 disables
+  # Or an Inception-style random resized crop (box of min_crop_area..1 of
+  # the image, aspect 3/4..4/3) resized to image_size: the official
+  # fine-tuning augmentation. Use with crop_padding=0.
+  config.random_resized_crop = False
+  config.min_crop_area = 0.05
   config.random_flip = config_dict.placeholder(bool)  # None: dataset default
   # Resize (bilinear, on device) to image_size x image_size after the crop,
   # e.g. 384 to fine-tune at the paper's resolution; None keeps the size.

@@ -15,14 +15,18 @@ record: they use the exact (erf) GELU, and Hugging Face's LayerNorm epsilon
 is 1e-12; `convert_state_dict` returns these as model settings.
 
 torch is only imported to read `.pth`/`.bin` files; safetensors files are
-read without it. Nothing is unpickled beyond tensors (`weights_only=True`).
+parsed here (any dtype, bfloat16 included) and written with the
+`safetensors` package, without torch. Nothing is unpickled beyond tensors (`weights_only=True`).
 """
 
 import dataclasses
+import json
 import os
 import re
+import struct
 from typing import Optional
 
+import ml_dtypes
 import numpy as np
 from flax import traverse_util
 
@@ -90,18 +94,44 @@ LAYOUTS = {layout.name: layout for layout in
            (TIMM, TORCHVISION, HUGGING_FACE, HUGGING_FACE_V4)}
 
 
+# safetensors dtype names -> numpy (bfloat16 via ml_dtypes, a JAX dependency).
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32,
+    "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+  """Parses a .safetensors file: an 8-byte header size, a JSON header of
+  {name: {dtype, shape, data_offsets}}, then the raw little-endian data."""
+  with open(path, "rb") as f:
+    data = f.read()
+  try:
+    (header_size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + header_size])
+    body = memoryview(data)[8 + header_size:]
+    tensors = {}
+    for name, info in header.items():
+      if name == "__metadata__":
+        continue
+      begin, end = info["data_offsets"]
+      array = np.frombuffer(body[begin:end],
+                            dtype=_SAFETENSORS_DTYPES[info["dtype"]])
+      tensors[name] = array.reshape(info["shape"]).astype(np.float32)
+    return tensors
+  except (struct.error, ValueError, KeyError, TypeError) as e:
+    raise CheckpointFormatError(
+        f"{path} is not a readable safetensors file ({type(e).__name__}: "
+        f"{e}); it may be truncated.") from e
+
+
 def read_state_dict(path: str) -> dict[str, np.ndarray]:
   """Tensors of a `.safetensors`, `.pth`, `.pt` or `.bin` file as float32."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f"No checkpoint file at {path}.")
   if path.endswith(".safetensors"):
-    from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
-    from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
-    try:
-      return {k: v.astype(np.float32) for k, v in load_file(path).items()}
-    except SafetensorError as e:
-      raise CheckpointFormatError(f"{path} is not a readable safetensors "
-                                  f"file: {e}") from e
+    return _read_safetensors(path)
   try:
     import torch  # pylint: disable=g-import-not-at-top
   except ImportError as e:
@@ -335,7 +365,11 @@ def save_state_dict(state: dict[str, np.ndarray], path: str) -> None:
   """Writes a state dict as `.safetensors` (no torch needed) or `.pth`."""
   tmp_path = path + ".tmp"
   if path.endswith(".safetensors"):
-    from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+    try:
+      from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+      raise ImportError("Writing .safetensors needs the safetensors package: "
+                        "pip install -e '.[torch]' (or safetensors).") from e
     save_file({k: np.ascontiguousarray(v) for k, v in state.items()},
               tmp_path)
   else:

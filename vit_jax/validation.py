@@ -63,6 +63,13 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         "Give the path of a checkpoint: an official .npz (release files such "
         "as imagenet21k/ViT-B_16.npz), a vit_jax workdir, or a torchvision/"
         "timm/Hugging Face state dict (.pth, .bin, .safetensors).")
+  if config.random_resized_crop and config.crop_padding:
+    raise ValueError(
+        "config.random_resized_crop=True and config.crop_padding="
+        f"{config.crop_padding} are two crops; set crop_padding=0.")
+  if not 0.0 < config.min_crop_area <= 1.0:
+    raise ValueError(f"config.min_crop_area={config.min_crop_area} must be "
+                     "in (0, 1].")
   if config.crop_padding < 0:
     raise ValueError(f"config.crop_padding={config.crop_padding} must be >= 0.")
 
