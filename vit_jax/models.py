@@ -253,7 +253,9 @@ class VisionTransformer(nn.Module):
       x = nn.Dense(self.representation_size, dtype=self.dtype,
                    param_dtype=self.param_dtype, name="pre_logits")(x)
       x = jnp.tanh(x)
-    self.sow("intermediates", "pre_logits", x)
+    # The vector the head reads (after pre-logits, if any). Not named
+    # "pre_logits": that is the Dense layer's scope.
+    self.sow("intermediates", "features", x)
     logits = nn.Dense(self.num_classes, dtype=self.dtype,
                       param_dtype=self.param_dtype,
                       kernel_init=nn.initializers.zeros, name="head")(x)
