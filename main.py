@@ -1,9 +1,22 @@
-"""Trains and evaluates a ViT: python main.py --config=configs/vit_tiny_cifar.py
+"""Trains, evaluates and inspects a ViT.
+
+  python main.py --config=configs/vit_tiny_fashion_mnist.py
 
 Any config key can be overridden on the command line, e.g.
   python main.py --config=configs/vit_tiny_fashion_mnist.py \
       --config.batch_size=64 --config.num_epochs=5 --workdir=/tmp/run
 Running the same command again resumes from the latest checkpoint in workdir.
+
+The other modes use the same config and workdir (figures go to
+WORKDIR/figures unless --output_dir is given):
+  --mode=summary    shape of every stage, parameters per module, FLOPs
+  --mode=curves     training curves from WORKDIR/metrics.jsonl (PNG)
+  --mode=report     test accuracy, per-class precision/recall, confusion
+                    matrix (text + PNG), most confident mistakes (PNG)
+  --mode=attention  attention rollout and per-head maps over test images,
+                    or over --images files (PNG)
+  --mode=predict    top-k classes of --images=a.png,b.jpg; with
+                    --attention, saves each with its attention map
 """
 
 import os
@@ -11,20 +24,66 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from vit_jax import checkpoints, datasets, models, train
+from vit_jax import checkpoints, datasets, models, tools, train, validation
 
 # Errors whose message already says what went wrong and how to fix it: shown
 # as they are, without a traceback.
-_USER_ERRORS = (ValueError, FileNotFoundError,
+_USER_ERRORS = (ValueError, FileNotFoundError, ImportError,
                 datasets.DatasetUnavailableError,
                 checkpoints.CheckpointRestoreError, FloatingPointError,
                 models.ViTInputError)
+_MODES = ("train", "summary", "curves", "report", "attention", "predict")
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file in configs/.", lock_config=True)
 _WORKDIR = flags.DEFINE_string(
     "workdir", None,
     "Folder for checkpoints and metrics.jsonl; default runs/<config name>.")
+_MODE = flags.DEFINE_enum("mode", "train", _MODES, "What to do.")
+_IMAGES = flags.DEFINE_list("images", [], "Image files for predict/attention.")
+_TOP_K = flags.DEFINE_integer("top_k", 3, "Classes to print per image.")
+_ATTENTION = flags.DEFINE_bool(
+    "attention", False, "predict: also save each image's attention maps.")
+_NUM_IMAGES = flags.DEFINE_integer(
+    "num_images", 6, "attention: test images to show (without --images).")
+_LAYER = flags.DEFINE_integer("layer", -1, "attention: layer of the "
+                              "per-head maps (-1: the last).")
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", None,
+                                  "Where figures go; default WORKDIR/figures.")
+
+
+def _inspect(mode: str, config, workdir: str) -> None:
+  """The non-training modes."""
+  output_dir = _OUTPUT_DIR.value or os.path.join(workdir, "figures")
+  os.makedirs(output_dir, exist_ok=True)
+  if mode == "summary":
+    print(tools.summary(config, validation.num_classes_of(config)))
+    return
+  if mode == "curves":
+    path = tools.curves(workdir, os.path.join(output_dir, "curves.png"))
+    print(f"Wrote {path}")
+    return
+  trained = tools.load_trained(config, workdir)
+  if mode == "report":
+    print(tools.evaluation_report(config, trained, output_dir))
+    print(f"Wrote report.txt, confusion_matrix.png and "
+          f"confident_mistakes.png to {output_dir}")
+  elif mode == "attention":
+    images, titles = tools.attention_inputs(config, trained, _IMAGES.value,
+                                            _NUM_IMAGES.value)
+    path = tools.attention_figure(trained, images,
+                                  os.path.join(output_dir, "attention.png"),
+                                  titles, layer=_LAYER.value)
+    print(f"Wrote {path}")
+  elif mode == "predict":
+    if not _IMAGES.value:
+      raise ValueError("--mode=predict needs --images=a.png,b.jpg")
+    results = tools.predict_files(
+        trained, _IMAGES.value, _TOP_K.value,
+        output_dir if _ATTENTION.value else None)
+    for result in results:
+      print(result["path"] + ": " + ", ".join(
+          f"{name} {prob:.4f}" for name, prob in result["top"]))
 
 
 def main(argv):
@@ -35,8 +94,11 @@ def main(argv):
       "runs", os.path.splitext(os.path.basename(config_path))[0])
   # Orbax logs every save at INFO; keep the console to our progress lines.
   logging.set_verbosity(logging.WARNING)
-  print(f"Config {config_path}, workdir {workdir}", flush=True)
   try:
+    if _MODE.value != "train":
+      _inspect(_MODE.value, _CONFIG.value, workdir)
+      return
+    print(f"Config {config_path}, workdir {workdir}", flush=True)
     metrics = train.train_and_evaluate(_CONFIG.value, workdir)
   except _USER_ERRORS as e:
     raise SystemExit(f"{type(e).__name__}: {e}") from e

@@ -1,8 +1,10 @@
-"""Metrics to the log and to `workdir/metrics.jsonl`, one JSON object a line.
+"""Metrics to the log, `workdir/metrics.jsonl` and TensorBoard event files.
 
 Each line is {"step": ..., "split": "train" | "eval", <metric>: value, ...};
 `pandas.read_json(path, lines=True)` or a two-line loop reads it back for
-plots. Only process 0 writes.
+plots. The same scalars go to `workdir/events.out.tfevents.*` as
+"<split>/<metric>" (tensorboardX: no TensorFlow), so
+`tensorboard --logdir WORKDIR` shows them. Only process 0 writes.
 """
 
 import json
@@ -11,6 +13,7 @@ import time
 from typing import Mapping
 
 import jax
+import tensorboardX
 
 
 def log(message: str) -> None:
@@ -29,6 +32,11 @@ class MetricWriter:
   def __init__(self, workdir: str, resume_step: int = 0):
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._enabled = jax.process_index() == 0
+    self._tensorboard = None
+    if self._enabled:
+      # purge_step hides events of steps that will be run again, as below.
+      self._tensorboard = tensorboardX.SummaryWriter(
+          logdir=workdir, purge_step=resume_step + 1 if resume_step else None)
     if self._enabled and os.path.exists(self.path):
       records = read_metrics(workdir)
       kept = [r for r in records if r["step"] <= resume_step]
@@ -49,8 +57,16 @@ class MetricWriter:
     record.update({k: float(metrics[k]) for k in ordered})
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
+    for key in ordered:
+      self._tensorboard.add_scalar(f"{split}/{key}", record[key], step)
+    self._tensorboard.flush()
     log(f"{split:5s} step {step:6d} | " + " | ".join(
         f"{k} {_format(record[k])}" for k in ordered))
+
+
+  def close(self) -> None:
+    if self._tensorboard is not None:
+      self._tensorboard.close()
 
 
 _ORDER = ["epoch", "loss", "accuracy", "learning_rate", "grad_norm",

@@ -156,6 +156,7 @@ class Encoder(nn.Module):
         param_dtype=self.param_dtype, name="posembed_input")(num_tokens,
                                                              hidden_size)
     x = x + pos_embedding.astype(x.dtype)
+    self.sow("intermediates", "embedded", x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
     for layer in range(self.num_layers):
       x = Encoder1DBlock(
@@ -238,6 +239,7 @@ class VisionTransformer(nn.Module):
                        self.param_dtype)
       cls = jnp.broadcast_to(cls.astype(x.dtype), (batch, 1, hidden))
       x = jnp.concatenate([cls, x], axis=1)  # (B, N+1, D)
+      self.sow("intermediates", "with_class_token", x)
 
     x = Encoder(
         num_layers=self.num_layers, num_heads=self.num_heads,
@@ -249,6 +251,7 @@ class VisionTransformer(nn.Module):
             x, deterministic=not train)
 
     x = x[:, 0] if self.classifier == "token" else jnp.mean(x, axis=1)
+    self.sow("intermediates", "pooled", x)
     if self.representation_size is not None:
       x = nn.Dense(self.representation_size, dtype=self.dtype,
                    param_dtype=self.param_dtype, name="pre_logits")(x)

@@ -18,8 +18,8 @@ import optax
 from flax.training import train_state
 
 from vit_jax import (augment, checkpoints, datasets, input_pipeline,
-                     metric_writer, optim, pretrained, sharding, validation,
-                     variants)
+                     metric_writer, optim, pretrained, sharding, tools,
+                     validation, variants)
 
 
 _MAX_STEPS_IN_FLIGHT = 2
@@ -234,6 +234,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
   height, width, channels = dataset.image_shape
   if config.image_size is not None:
     height = width = config.image_size
+  tools.write_model_info(workdir, dataset, (height, width, channels), mean,
+                         std)
   log(f"Data: {dataset.name} from {dataset.source}: {num_train} train / "
       f"{len(dataset.test_images)} test images of shape "
       f"{dataset.image_shape}, {dataset.num_classes} classes.")
@@ -338,4 +340,5 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
     # so the last good checkpoint is complete on disk.
     manager.wait_until_finished()
     manager.close()
+    writer.close()
   return eval_metrics

@@ -26,6 +26,14 @@ def image_shape_of(config: ml_collections.ConfigDict) -> tuple[int, int, int]:
   return shape
 
 
+def num_classes_of(config: ml_collections.ConfigDict) -> int:
+  """Number of classes of the configured dataset, without loading it."""
+  if config.dataset == "synthetic":
+    return config.synthetic.num_classes
+  image_shape_of(config)  # raises for an unknown dataset
+  return datasets.SPECS[config.dataset].num_classes
+
+
 def _check_choice(config, key: str, choices) -> None:
   if config[key] not in choices:
     raise ValueError(f"config.{key}={config[key]!r} is not supported; choose "

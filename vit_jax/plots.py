@@ -1,0 +1,139 @@
+"""PNG figures: attention maps, training curves, confusion matrix, mistakes.
+
+matplotlib is an optional extra (`pip install -e ".[tools]"`), imported on
+first use with the headless Agg backend, so servers without a display work.
+Every function takes numpy data and a path, and returns the path.
+"""
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+def _pyplot():
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError("Plots need matplotlib: pip install -e '.[tools]'.") from e
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def _show_image(axis, image: np.ndarray) -> None:
+  """uint8 (H, W, C) with C = 1 or 3, no ticks."""
+  if image.shape[-1] == 1:
+    axis.imshow(image[..., 0], cmap="gray", vmin=0, vmax=255)
+  else:
+    axis.imshow(image)
+  axis.set_xticks([])
+  axis.set_yticks([])
+
+
+def attention_grid(images: np.ndarray, maps: Sequence[np.ndarray],
+                   map_titles: Sequence[str], path: str,
+                   image_titles: Optional[Sequence[str]] = None,
+                   alpha: float = 0.55) -> str:
+  """Rows of images; each row: the image, then each map overlaid on it.
+
+  images: uint8 (B, H, W, C); maps: one (B, H, W) array in [0, 1] per column.
+  """
+  plt = _pyplot()
+  rows, columns = len(images), 1 + len(maps)
+  figure, axes = plt.subplots(rows, columns, squeeze=False,
+                              figsize=(1.6 * columns, 1.6 * rows))
+  for row, image in enumerate(images):
+    _show_image(axes[row, 0], image)
+    if image_titles:
+      axes[row, 0].set_title(image_titles[row], fontsize=7)
+    for column, (attention, title) in enumerate(zip(maps, map_titles), 1):
+      _show_image(axes[row, column], image)
+      axes[row, column].imshow(attention[row], cmap="inferno", alpha=alpha,
+                               vmin=0, vmax=1)
+      if row == 0:
+        axes[row, column].set_title(title, fontsize=7)
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+  plt.close(figure)
+  return path
+
+
+def training_curves(records: Sequence[dict], path: str) -> str:
+  """Loss, accuracy, learning rate and throughput against epoch.
+
+  records: the lines of metrics.jsonl (train and eval splits).
+  """
+  plt = _pyplot()
+  train = [r for r in records if r["split"] == "train"]
+  evals = [r for r in records if r["split"] == "eval"]
+  panels = [("loss", "loss"), ("accuracy", "accuracy"),
+            ("learning_rate", "learning rate"),
+            ("images_per_second", "images / s (train)")]
+  figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+  for axis, (key, title) in zip(axes, panels):
+    for split, rows, style in (("train", train, "-"), ("eval", evals, "o-")):
+      rows = [r for r in rows if key in r]
+      if rows:
+        axis.plot([r["epoch"] for r in rows], [r[key] for r in rows], style,
+                  label=split, markersize=3)
+    axis.set_title(title)
+    axis.set_xlabel("epoch")
+    axis.grid(alpha=0.3)
+    if key in ("loss", "accuracy"):
+      axis.legend()
+  if train:
+    top = axes[0].secondary_xaxis(
+        "top", functions=(lambda e: e * _steps_per_epoch(train),
+                          lambda s: s / _steps_per_epoch(train)))
+    top.set_xlabel("step")
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+  plt.close(figure)
+  return path
+
+
+def _steps_per_epoch(train: Sequence[dict]) -> float:
+  last = train[-1]
+  return last["step"] / last["epoch"] if last["epoch"] else 1.0
+
+
+def confusion_matrix(matrix: np.ndarray, class_names: Sequence[str],
+                     path: str) -> str:
+  """Heat map of counts (rows true, columns predicted), counts written in."""
+  plt = _pyplot()
+  size = 1.0 + 0.55 * len(class_names)
+  figure, axis = plt.subplots(figsize=(size + 1.5, size))
+  image = axis.imshow(matrix, cmap="Blues")
+  figure.colorbar(image, ax=axis, fraction=0.046)
+  ticks = range(len(class_names))
+  axis.set_xticks(ticks, class_names, rotation=60, ha="right", fontsize=8)
+  axis.set_yticks(ticks, class_names, fontsize=8)
+  axis.set_xlabel("predicted")
+  axis.set_ylabel("true")
+  threshold = matrix.max() / 2
+  for (row, column), count in np.ndenumerate(matrix):
+    axis.text(column, row, str(count), ha="center", va="center", fontsize=6,
+              color="white" if count > threshold else "black")
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+  plt.close(figure)
+  return path
+
+
+def image_grid(images: np.ndarray, titles: Sequence[str], path: str,
+               columns: int = 8) -> str:
+  """A grid of uint8 images with a caption each."""
+  plt = _pyplot()
+  rows = max(1, -(-len(images) // columns))
+  figure, axes = plt.subplots(rows, columns, squeeze=False,
+                              figsize=(1.5 * columns, 1.7 * rows))
+  for axis in axes.flat:
+    axis.axis("off")
+  for axis, image, title in zip(axes.flat, images, titles):
+    _show_image(axis, image)
+    axis.axis("on")
+    axis.set_title(title, fontsize=6)
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+  plt.close(figure)
+  return path
