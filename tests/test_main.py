@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -119,3 +120,51 @@ def test_finetune_config_runs_from_an_official_layout_checkpoint(tmp_path):
   assert "86,090,496 of 86,098,186 parameters loaded" in result.stdout
   assert "(1, 197, 768) -> (1, 577, 768) (bilinear)" in result.stdout
   assert "Final test accuracy" in result.stdout
+
+
+def test_main_inspection_modes_on_fashion_mnist(tmp_path, fashion_mnist_dir):
+  """summary, curves, report, attention and predict, as a user runs them."""
+  workdir = str(tmp_path / "run")
+  common = ["--config=configs/vit_tiny_fashion_mnist.py",
+            f"--config.raw_data_dir={fashion_mnist_dir}",
+            "--config.max_train_examples=1024",
+            "--config.max_eval_examples=500", "--config.eval_batch_size=250",
+            f"--workdir={workdir}", *SMALL_MODEL]
+  trained = _run_main(*common, "--config.num_train_steps=16",
+                      "--config.batch_size=64", "--config.log_every_steps=4")
+  assert trained.returncode == 0, trained.stderr[-3000:]
+
+  summary = _run_main(*common, "--mode=summary")
+  assert summary.returncode == 0, summary.stderr[-3000:]
+  assert re.search(r"flatten to patch tokens +\(1, 49, 32\)", summary.stdout)
+  assert "FLOPs per image" in summary.stdout and "total" in summary.stdout
+
+  report = _run_main(*common, "--mode=report")
+  assert report.returncode == 0, report.stderr[-3000:]
+  assert "over 500 images" in report.stdout and "Ankle boot" in report.stdout
+  figures = os.path.join(workdir, "figures")
+  assert os.path.exists(os.path.join(figures, "confusion_matrix.png"))
+
+  for mode in ("curves", "attention"):
+    result = _run_main(*common, f"--mode={mode}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.path.exists(os.path.join(figures, f"{mode}.png"))
+
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  from vit_jax import raw_files  # pylint: disable=g-import-not-at-top
+  images, _ = raw_files.read_idx_split(fashion_mnist_dir, "test")
+  images = images[:2]
+  paths = []
+  for i, image in enumerate(images):
+    paths.append(str(tmp_path / f"garment{i}.png"))
+    Image.fromarray(image.reshape(28, 28)).resize((112, 112)).save(paths[-1])
+  predict = _run_main(*common, "--mode=predict", "--attention",
+                      f"--images={','.join(paths)}")
+  assert predict.returncode == 0, predict.stderr[-3000:]
+  lines = [l for l in predict.stdout.splitlines() if "garment" in l]
+  assert len(lines) == 2 and lines[0].count(",") == 2  # top 3 each
+  assert os.path.exists(os.path.join(figures, "garment0_attention.png"))
+
+  missing = _run_main(*common, "--mode=predict", "--images=nope.png")
+  assert missing.returncode != 0
+  assert "No image file at nope.png" in missing.stderr

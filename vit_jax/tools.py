@@ -113,8 +113,13 @@ def summary(config: ml_collections.ConfigDict, num_classes: int = 10) -> str:
                               ("stage", "output shape")),
       introspect.format_table(introspect.parameter_summary(params),
                               ("module", "parameters")),
-      f"FLOPs per image (XLA cost analysis): forward {forward / 1e9:.3f} G, "
-      f"forward + backward {train / 1e9:.3f} G"])
+      f"FLOPs per image (XLA cost analysis): forward {_flops(forward)}, "
+      f"forward + backward {_flops(train)}"])
+
+
+def _flops(count: float) -> str:
+  return (f"{count / 1e9:.2f} GFLOP" if count >= 1e9 else
+          f"{count / 1e6:.1f} MFLOP")
 
 
 def attention_maps(trained: TrainedModel, images: np.ndarray,
