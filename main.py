@@ -20,18 +20,20 @@ WORKDIR/figures unless --output_dir is given):
 """
 
 import os
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from vit_jax import checkpoints, datasets, models, tools, train, validation
+from vit_jax import (checkpoints, datasets, models, preemption, tools, train,
+                     validation)
 
 # Errors whose message already says what went wrong and how to fix it: shown
 # as they are, without a traceback.
 _USER_ERRORS = (ValueError, FileNotFoundError, ImportError,
                 datasets.DatasetUnavailableError,
-                checkpoints.CheckpointRestoreError, FloatingPointError,
-                models.ViTInputError)
+                checkpoints.CheckpointRestoreError, checkpoints.WorkdirError,
+                FloatingPointError, models.ViTInputError)
 _MODES = ("train", "summary", "curves", "report", "attention", "predict")
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -100,6 +102,9 @@ def main(argv):
       return
     print(f"Config {config_path}, workdir {workdir}", flush=True)
     metrics = train.train_and_evaluate(_CONFIG.value, workdir)
+  except preemption.Preempted as e:
+    print(e, file=sys.stderr, flush=True)
+    sys.exit(e.exit_code)
   except _USER_ERRORS as e:
     raise SystemExit(f"{type(e).__name__}: {e}") from e
   print(f"Final test accuracy {metrics['accuracy']:.4f}, loss "

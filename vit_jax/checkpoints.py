@@ -6,8 +6,10 @@ The state holds the step and RNG key, and the data order is a function of the
 step, so restoring the state is all an exact resume needs.
 """
 
+import contextlib
+import fcntl
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 import jax
 import orbax.checkpoint as ocp
@@ -15,6 +17,45 @@ import orbax.checkpoint as ocp
 
 class CheckpointRestoreError(RuntimeError):
   """A checkpoint exists but does not fit the model being trained."""
+
+
+class WorkdirError(RuntimeError):
+  """The workdir cannot be written, or another run is writing to it."""
+
+
+@contextlib.contextmanager
+def locked_workdir(workdir: str) -> Iterator[None]:
+  """Creates `workdir` and holds an exclusive lock on it while training.
+
+  A second run on the same workdir would interleave checkpoints and
+  metrics; it is refused instead. The lock is an flock on
+  `workdir/.lock`, released by the OS even if the process is killed.
+  """
+  path = os.path.join(workdir, ".lock")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    handle = open(path, "a+")  # pylint: disable=consider-using-with
+  except OSError as e:
+    raise WorkdirError(
+        f"Cannot write to the workdir {workdir} ({e.strerror}); choose a "
+        "writable --workdir.") from e
+  with handle:
+    try:
+      fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as e:
+      handle.seek(0)
+      holder = handle.read().strip() or "unknown"
+      raise WorkdirError(
+          f"Another training run (pid {holder}) is using {workdir}. Wait "
+          "for it to finish, or give this run another --workdir.") from e
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    try:
+      yield
+    finally:
+      fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def make_manager(workdir: str, max_to_keep: int) -> ocp.CheckpointManager:

@@ -18,8 +18,8 @@ import optax
 from flax.training import train_state
 
 from vit_jax import (augment, checkpoints, datasets, input_pipeline,
-                     metric_writer, optim, pretrained, sharding, tools,
-                     validation, variants)
+                     metric_writer, optim, preemption, pretrained, sharding,
+                     tools, validation, variants)
 
 
 _MAX_STEPS_IN_FLIGHT = 2
@@ -203,9 +203,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
                        ) -> dict[str, float]:
   """Trains `config` in `workdir`, resuming from its latest checkpoint.
 
-  Returns the metrics of the last evaluation.
+  Returns the metrics of the last evaluation. Holds a lock on `workdir`
+  while it runs; on SIGTERM/SIGINT it checkpoints the current step and
+  raises `preemption.Preempted`.
   """
   validation.validate_config(config)
+  with checkpoints.locked_workdir(workdir), \
+      preemption.StopSignals() as stop:
+    return _train_and_evaluate(config, workdir, stop)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                        stop: preemption.StopSignals) -> dict[str, float]:
   mesh = sharding.make_mesh()
   sharding.check_batch_size(config.batch_size, mesh, "batch_size")
   sharding.check_batch_size(config.eval_batch_size, mesh, "eval_batch_size")
@@ -319,7 +328,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
       evaluate_now = done == total_steps or (
           done % steps_per_epoch == 0 and epoch % config.eval_every_epochs == 0)
       save_now = (done % config.checkpoint_every_steps == 0 or
-                  done == total_steps)
+                  done == total_steps or stop.received is not None)
       if evaluate_now or save_now:
         jax.block_until_ready(state)
         pause_start = time.perf_counter()  # not counted as training time
@@ -332,6 +341,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
           check_finite(done)  # never save a state whose loss was not checked
           checkpoints.save(manager, state)
         paused += time.perf_counter() - pause_start
+      if stop.received is not None:
+        manager.wait_until_finished()
+        raise preemption.Preempted(stop.received, done, manager.directory)
     if not eval_metrics:  # nothing left to train: report the restored state
       eval_metrics = evaluate(eval_fn, state, dataset, config.eval_batch_size,
                               mesh)

@@ -1,0 +1,80 @@
+"""Preemption (SIGTERM/SIGINT) and workdir safety."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import small_config
+from vit_jax import checkpoints, pretrained, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = ["--config=configs/vit_tiny_fashion_mnist.py",
+         "--config.dataset=synthetic", "--config.synthetic.image_size=16",
+         "--config.synthetic.channels=1", "--config.synthetic.num_train=256",
+         "--config.batch_size=64", "--config.num_train_steps=300",
+         "--config.log_every_steps=50", "--config.checkpoint_every_steps=100",
+         "--config.model.num_layers=2", "--config.model.hidden_size=32",
+         "--config.model.num_heads=2", "--config.model.mlp_dim=64"]
+
+
+def _main(workdir, signal_number=None):
+  """Runs main.py; with signal_number, sends it once training has begun."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  process = subprocess.Popen(
+      [sys.executable, "main.py", *FLAGS, f"--workdir={workdir}"], cwd=ROOT,
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  lines = []
+  for line in process.stdout:
+    lines.append(line)
+    if signal_number and line.startswith("Compiled and ran"):
+      process.send_signal(signal_number)
+  stderr = process.stderr.read()
+  process.wait(timeout=600)
+  return process.returncode, "".join(lines), stderr
+
+
+@pytest.mark.parametrize("signal_number", [
+    signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+def test_signal_checkpoints_exits_and_resumes_exactly(tmp_path,
+                                                      signal_number):
+  stopped = str(tmp_path / "stopped")
+  code, _, stderr = _main(stopped, signal_number)
+  assert code == 128 + signal_number, stderr[-2000:]
+  name = signal.Signals(signal_number).name
+  assert f"Stopped by {name} after step" in stderr
+  step = int(stderr.split("after step ")[1].split(";")[0])
+  assert 0 < step < 300
+  assert str(step) in os.listdir(os.path.join(stopped, "checkpoints"))
+
+  code, stdout, stderr = _main(stopped)
+  assert code == 0, stderr[-2000:]
+  assert f"Resumed from the checkpoint of step {step}" in stdout
+  code, _, stderr = _main(str(tmp_path / "uninterrupted"))
+  assert code == 0, stderr[-2000:]
+  resumed, _ = pretrained.load_params(stopped, 2)
+  reference, _ = pretrained.load_params(str(tmp_path / "uninterrupted"), 2)
+  for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(reference)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_second_run_on_a_locked_workdir_is_refused(tmp_path):
+  workdir = str(tmp_path / "run")
+  with checkpoints.locked_workdir(workdir):
+    with pytest.raises(checkpoints.WorkdirError,
+                       match=f"pid {os.getpid()}.* is using"):
+      train.train_and_evaluate(small_config(num_train_steps=2), workdir)
+  # Released: the same workdir trains now.
+  train.train_and_evaluate(small_config(num_train_steps=2), workdir)
+
+
+def test_unwritable_workdir_is_reported_before_training(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a folder")
+  with pytest.raises(checkpoints.WorkdirError,
+                     match="Cannot write to the workdir .*a_file/run"):
+    train.train_and_evaluate(small_config(), str(blocker / "run"))
