@@ -12,7 +12,8 @@ import pytest
 
 from helpers import small_config
 from vit_jax import (augment, configs, datasets, input_pipeline,
-                     metric_writer, optim, sharding, train, variants)
+                     metric_writer, optim, pretrained, sharding, train,
+                     variants)
 
 
 def _build(config, mesh, total_steps=20, steps_per_epoch=4):
@@ -152,6 +153,34 @@ def test_nan_loss_stops_training_and_saves_nothing(tmp_path, monkeypatch):
   with pytest.raises(FloatingPointError, match="loss became nan at step 1"):
     train.train_and_evaluate(config, str(tmp_path))
   assert os.listdir(tmp_path / "checkpoints") == []
+
+
+def test_nan_batch_update_is_skipped_when_configured(tmp_path, capsys):
+  """One poisoned batch (step 3 of 6): its update is skipped, the others
+  train, and the result equals training without that step's update."""
+  real_preprocess = augment.train_preprocess
+
+  def poisoned(images, key, **kwargs):
+    out = real_preprocess(images, key, **kwargs)
+    # The RNG key of step 2 (0-based) is recognisable by its value.
+    return jnp.where(jnp.all(key == poisoned.key), jnp.nan, out)
+
+  config = small_config(num_train_steps=6, checkpoint_every_steps=3,
+                        skip_nonfinite_steps=True, log_every_steps=3)
+  state_key = jax.random.split(jax.random.PRNGKey(config.seed))[1]
+  poisoned.key = jax.random.split(jax.random.fold_in(state_key, 2))[0]
+  monkeypatch = pytest.MonkeyPatch()
+  monkeypatch.setattr(augment, "train_preprocess", poisoned)
+  try:
+    metrics = train.train_and_evaluate(config, str(tmp_path))
+  finally:
+    monkeypatch.undo()
+  assert "Skipped the update of step(s) [3]" in capsys.readouterr().out
+  assert np.isfinite(metrics["loss"])
+  params, _ = pretrained.load_params(str(tmp_path), 2)
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(params))
+  records = metric_writer.read_metrics(str(tmp_path))
+  assert all(np.isfinite(r["loss"]) for r in records)
 
 
 @pytest.mark.parametrize("overrides,message", [

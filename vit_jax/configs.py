@@ -75,6 +75,9 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   config.adam_b2 = 0.999
   config.momentum = 0.9  # for optimizer="sgd"
   config.grad_clip_norm = 1.0  # 0 disables clipping
+  # A NaN/Inf loss or gradient stops training (nothing poisoned is saved);
+  # True skips that step's update instead and logs it.
+  config.skip_nonfinite_steps = False
   config.label_smoothing = 0.1
 
   # Bookkeeping.

@@ -62,14 +62,16 @@ def cross_entropy(logits: jax.Array, labels: jax.Array,
 def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
                preprocess: Callable[[jax.Array, jax.Array], jax.Array],
                label_smoothing: float, learning_rate_fn: optax.Schedule,
-               accum_steps: int = 1
+               accum_steps: int = 1, skip_nonfinite: bool = False
                ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step on a uint8 batch (B, H, W, C) with int labels (B,).
 
   `preprocess(images, key)` augments and normalises on device. With
   accum_steps > 1 the batch is processed as that many micro-batches (a scan:
   one micro-batch's activations live at a time) whose mean gradient makes
-  the single update, equal to the whole batch's gradient.
+  the single update, equal to the whole batch's gradient. With
+  skip_nonfinite, a step whose loss or gradient is NaN/Inf leaves params and
+  optimizer state unchanged (the step counter still advances).
   """
   step_key = jax.random.fold_in(state.rng, state.step)
 
@@ -105,13 +107,19 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
     totals, _ = jax.lax.scan(accumulate, zeros, (
         split(images), split(labels), jnp.arange(accum_steps)))
     grads, loss, accuracy = jax.tree.map(lambda x: x / accum_steps, totals)
+  grad_norm = optax.global_norm(grads)
   metrics = {
       "loss": loss,
       "accuracy": accuracy,
       "learning_rate": learning_rate_fn(state.step),
-      "grad_norm": optax.global_norm(grads),
+      "grad_norm": grad_norm,
   }
-  return state.apply_gradients(grads=grads), metrics
+  new_state = state.apply_gradients(grads=grads)
+  if skip_nonfinite:
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                             new_state, state).replace(step=state.step + 1)
+  return new_state, metrics
 
 
 def eval_step(state: TrainState, images: jax.Array, labels: jax.Array,
@@ -144,7 +152,8 @@ def compile_steps(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
               min_crop_area=config.min_crop_area),
           label_smoothing=config.label_smoothing,
           learning_rate_fn=learning_rate_fn,
-          accum_steps=config.accum_steps),
+          accum_steps=config.accum_steps,
+          skip_nonfinite=config.skip_nonfinite_steps),
       in_shardings=(replicated, batch, batch),
       out_shardings=(replicated, replicated),
       donate_argnums=0)
@@ -195,8 +204,12 @@ def init_from_pretrained(config: ml_collections.ConfigDict, state: TrainState,
 
 
 def _mean_metrics(pending: list[dict[str, jax.Array]]) -> dict[str, float]:
+  """Means over the steps; skipped non-finite steps are left out."""
   stacked = jax.device_get(jax.tree.map(lambda *xs: jnp.stack(xs), *pending))
-  return {k: float(np.mean(v)) for k, v in stacked.items()}
+  finite = np.isfinite(stacked["loss"]) & np.isfinite(stacked["grad_norm"])
+  if not finite.any():
+    return {k: float("nan") for k in stacked}
+  return {k: float(np.mean(v[finite])) for k, v in stacked.items()}
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
@@ -283,16 +296,30 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   timer_start, timer_step, paused = time.perf_counter(), start_step, 0.0
 
   def check_finite(step):
-    """Raises if any pending step's loss is NaN/Inf (one small transfer)."""
-    losses = np.asarray(jax.device_get([m["loss"] for m in pending]))
-    if not np.all(np.isfinite(losses)):
-      bad_step = step - len(pending) + 1 + int(np.argmin(np.isfinite(losses)))
-      raise FloatingPointError(
-          f"The training loss became {losses[~np.isfinite(losses)][0]} at "
-          f"step {bad_step}. Likely causes: a learning rate too high "
-          "(--config.learning_rate), no gradient clipping "
-          "(--config.grad_clip_norm), or bad input data. This state was not "
-          f"saved; the checkpoints in {manager.directory} are intact.")
+    """Raises if a pending step's loss or gradient is NaN/Inf, unless such
+    steps are skipped (then it logs them). One small transfer."""
+    if not pending:
+      return
+    values = np.asarray(jax.device_get(
+        [(m["loss"], m["grad_norm"]) for m in pending]))
+    bad = ~np.all(np.isfinite(values), axis=1)
+    if not bad.any():
+      return
+    bad_steps = step - len(pending) + 1 + np.flatnonzero(bad)
+    what = ("loss" if not np.isfinite(values[bad][0, 0]) else
+            "gradient norm")
+    value = values[bad][0, 0 if what == "loss" else 1]
+    if config.skip_nonfinite_steps:
+      log(f"Skipped the update of step(s) {bad_steps.tolist()}: non-finite "
+          "loss or gradient.")
+      return
+    raise FloatingPointError(
+        f"The training {what} became {value} at step {bad_steps[0]}. Likely "
+        "causes: a learning rate too high (--config.learning_rate), no "
+        "gradient clipping (--config.grad_clip_norm), or bad input data; "
+        "--config.skip_nonfinite_steps=True skips such steps instead. This "
+        f"state was not saved; the checkpoints in {manager.directory} are "
+        "intact.")
 
   def flush(step):
     """Logs the mean of the metrics accumulated since the last flush."""
