@@ -1,5 +1,6 @@
 """Preemption (SIGTERM/SIGINT) and workdir safety."""
 
+import json
 import os
 import signal
 import subprocess
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import small_config
-from vit_jax import checkpoints, pretrained, train
+from vit_jax import checkpoints, metric_writer, pretrained, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--config=configs/vit_tiny_fashion_mnist.py",
@@ -78,3 +79,26 @@ def test_unwritable_workdir_is_reported_before_training(tmp_path):
   with pytest.raises(checkpoints.WorkdirError,
                      match="Cannot write to the workdir .*a_file/run"):
     train.train_and_evaluate(small_config(), str(blocker / "run"))
+
+
+def test_keep_best_saves_the_params_of_the_best_evaluation(tmp_path):
+  workdir = str(tmp_path)
+  # 64 examples / batch 16 = 4 steps an epoch; evaluate and save each epoch.
+  config = small_config(num_epochs=8, keep_best=True, learning_rate=1e-2,
+                        checkpoint_every_steps=4, keep_checkpoints=10,
+                        warmup_epochs=0.5, label_smoothing=0.0)
+  train.train_and_evaluate(config, workdir)
+  evals = [r for r in metric_writer.read_metrics(workdir)
+           if r["split"] == "eval"]
+  best = max(evals, key=lambda r: r["accuracy"])  # first of equal maxima
+  with open(os.path.join(workdir, "best", "metrics.json")) as f:
+    saved = json.load(f)
+  assert saved["step"] == best["step"]
+  assert saved["accuracy"] == best["accuracy"]
+  assert best["step"] > evals[0]["step"]  # it improved after epoch 1
+  params, _ = pretrained.load_params(os.path.join(workdir, "best",
+                                                  "params.npz"), 2)
+  at_step, _ = pretrained.load_params(
+      os.path.join(workdir, "checkpoints", str(best["step"])), 2)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(at_step)):
+    np.testing.assert_array_equal(a, b)

@@ -8,11 +8,16 @@ step, so restoring the state is all an exact resume needs.
 
 import contextlib
 import fcntl
+import json
 import os
 from typing import Iterator, Optional
 
 import jax
 import orbax.checkpoint as ocp
+
+from vit_jax import npz_checkpoints
+
+BEST_DIR = "best"
 
 
 class CheckpointRestoreError(RuntimeError):
@@ -96,3 +101,27 @@ def restore_latest(manager: ocp.CheckpointManager, state
         "folder, or move that checkpoint away to resume from an earlier "
         "one.") from e
   return restored, step
+
+
+def best_accuracy(workdir: str) -> float:
+  """Eval accuracy of `workdir/best`, or -1 if there is none yet."""
+  path = os.path.join(workdir, BEST_DIR, "metrics.json")
+  if not os.path.exists(path):
+    return -1.0
+  with open(path) as f:
+    return float(json.load(f)["accuracy"])
+
+
+def save_best(workdir: str, params, step: int, metrics: dict) -> None:
+  """Writes params as `workdir/best/params.npz` (official layout, atomic)
+  and their eval metrics as `best/metrics.json` (written after the params,
+  so metrics.json never describes params that are not on disk)."""
+  if jax.process_index() != 0:
+    return
+  directory = os.path.join(workdir, BEST_DIR)
+  npz_checkpoints.save_npz(jax.device_get(params),
+                           os.path.join(directory, "params.npz"))
+  temporary = os.path.join(directory, "metrics.json.tmp")
+  with open(temporary, "w") as f:
+    json.dump(dict(metrics, step=int(step)), f)
+  os.replace(temporary, os.path.join(directory, "metrics.json"))

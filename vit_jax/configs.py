@@ -84,6 +84,9 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   config.log_every_steps = 50
   config.eval_every_epochs = 1
   config.checkpoint_every_steps = 1000
-  config.keep_checkpoints = 3
+  config.keep_checkpoints = 3  # the latest N (resume uses the last one)
+  # Also keep the params of the best eval accuracy in workdir/best/
+  # (params.npz, official layout, usable as init_from; metrics.json).
+  config.keep_best = False
   config.lock()
   return config

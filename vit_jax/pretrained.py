@@ -33,6 +33,8 @@ _JAX_SETTINGS = dict(approximate_gelu=True, layer_norm_epsilon=1e-6)
 def _orbax_params(path: str) -> dict:
   """The params of the latest step under `path` (workdir, folder or step)."""
   for candidate in (path, os.path.join(path, "checkpoints")):
+    if not os.path.isdir(candidate):
+      continue
     steps = [int(d) for d in os.listdir(candidate) if d.isdigit()]
     if steps and os.path.isdir(os.path.join(candidate, str(max(steps)))):
       path = os.path.join(candidate, str(max(steps)))

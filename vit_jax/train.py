@@ -364,6 +364,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                   config.eval_batch_size, mesh)
           eval_metrics["epoch"] = done / steps_per_epoch
           writer.write(done, "eval", eval_metrics)
+          if (config.keep_best and
+              eval_metrics["accuracy"] > checkpoints.best_accuracy(workdir)):
+            checkpoints.save_best(workdir, state.params, done, eval_metrics)
+            log(f"New best eval accuracy {eval_metrics['accuracy']:.4f}: "
+                f"params saved to {workdir}/{checkpoints.BEST_DIR}.")
         if save_now:
           check_finite(done)  # never save a state whose loss was not checked
           checkpoints.save(manager, state)
