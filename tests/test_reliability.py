@@ -19,12 +19,14 @@ FLAGS = ["--config=configs/vit_tiny_fashion_mnist.py",
          "--config.synthetic.channels=1", "--config.synthetic.num_train=256",
          "--config.batch_size=64", "--config.num_train_steps=300",
          "--config.log_every_steps=50", "--config.checkpoint_every_steps=100",
+         "--config.eval_every_epochs=25",
          "--config.model.num_layers=2", "--config.model.hidden_size=32",
          "--config.model.num_heads=2", "--config.model.mlp_dim=64"]
 
 
-def _main(workdir, signal_number=None):
-  """Runs main.py; with signal_number, sends it once training has begun."""
+def _main(workdir, signal_number=None, when="Compiled and ran"):
+  """Runs main.py; with signal_number, sends it on the first output line
+  that starts with `when`."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
   process = subprocess.Popen(
       [sys.executable, "main.py", *FLAGS, f"--workdir={workdir}"], cwd=ROOT,
@@ -32,8 +34,9 @@ def _main(workdir, signal_number=None):
   lines = []
   for line in process.stdout:
     lines.append(line)
-    if signal_number and line.startswith("Compiled and ran"):
+    if signal_number and line.startswith(when):
       process.send_signal(signal_number)
+      signal_number = None
   stderr = process.stderr.read()
   process.wait(timeout=600)
   return process.returncode, "".join(lines), stderr
@@ -61,6 +64,36 @@ def test_signal_checkpoints_exits_and_resumes_exactly(tmp_path,
   reference, _ = pretrained.load_params(str(tmp_path / "uninterrupted"), 2)
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(reference)):
     np.testing.assert_array_equal(a, b)
+
+
+def _comparable(records):
+  """metrics.jsonl records without wall-clock fields."""
+  return [{k: v for k, v in r.items()
+           if k not in ("time", "images_per_second")} for r in records]
+
+
+@pytest.mark.slow
+def test_sigkill_at_several_points_resumes_bit_exactly(tmp_path):
+  """Killed before any checkpoint, as the step-100 save starts (usually
+  mid-write), right after a restart's compile, and after step 250: the
+  finished run equals an uninterrupted one in every parameter and every
+  metric written."""
+  killed = str(tmp_path / "killed")
+  for when in ("train step     50", "train step    100", "Compiled and ran",
+               "train step    250"):
+    code, stdout, _ = _main(killed, signal.SIGKILL, when)
+    assert code == -signal.SIGKILL, stdout[-2000:]
+  code, stdout, stderr = _main(killed)
+  assert code == 0, stderr[-2000:]
+  assert "Resumed from the checkpoint of step 200" in stdout
+  reference = str(tmp_path / "reference")
+  assert _main(reference)[0] == 0
+  final, _ = pretrained.load_params(killed, 2)
+  expected, _ = pretrained.load_params(reference, 2)
+  for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(a, b)
+  assert _comparable(metric_writer.read_metrics(killed)) == _comparable(
+      metric_writer.read_metrics(reference))
 
 
 def test_second_run_on_a_locked_workdir_is_refused(tmp_path):

@@ -1,0 +1,103 @@
+r"""Kill training with SIGKILL over and over; the result must not change.
+
+  python benchmarks/kill_loop.py                    # Fashion-MNIST config
+  python benchmarks/kill_loop.py --min_seconds=20 --max_seconds=60 -- \
+      --config.num_epochs=1
+
+A supervisor runs `main.py --config=CONFIG` twice in fresh workdirs: once
+uninterrupted, once killed with SIGKILL at random moments (uniform in
+[min_seconds, max_seconds] after each start; so some kills land during a
+checkpoint write) and restarted with the same command until it finishes.
+It then compares the final parameters (max |difference|) and final test
+accuracies of the two runs, which bit-exact resume makes 0.0, and ends with
+
+  summary: kills=12 resumed=12 max_param_diff=0.0 accuracy_diff=0.0
+
+Arguments after `--` are passed to main.py (config overrides).
+"""
+
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+import jax
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from vit_jax import metric_writer, pretrained  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+_CONFIG = flags.DEFINE_string("config", "configs/vit_tiny_fashion_mnist.py",
+                              "Config file to train.")
+_MIN = flags.DEFINE_float("min_seconds", 60.0, "Shortest time to a kill.")
+_MAX = flags.DEFINE_float("max_seconds", 180.0, "Longest time to a kill.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the kill times.")
+_WORKDIR = flags.DEFINE_string("workdir", None,
+                               "Where the two runs go; default a temp dir.")
+
+
+def _command(workdir: str, overrides: list[str]) -> list[str]:
+  return [sys.executable, os.path.join(ROOT, "main.py"),
+          f"--config={_CONFIG.value}", f"--workdir={workdir}", *overrides]
+
+
+def _final_accuracy(workdir: str) -> float:
+  evals = [r for r in metric_writer.read_metrics(workdir)
+           if r["split"] == "eval"]
+  return evals[-1]["accuracy"]
+
+
+def main(argv):
+  overrides = argv[1:]
+  root = _WORKDIR.value or tempfile.mkdtemp(prefix="kill_loop_")
+  reference, killed = (os.path.join(root, name)
+                       for name in ("uninterrupted", "killed"))
+  print(f"Workdirs under {root}; overrides {overrides}", flush=True)
+
+  start = time.time()
+  subprocess.run(_command(reference, overrides), cwd=ROOT, check=True,
+                 stdout=subprocess.DEVNULL)
+  print(f"Uninterrupted run: {time.time() - start:.0f} s, test accuracy "
+        f"{_final_accuracy(reference):.4f}", flush=True)
+
+  rng = random.Random(_SEED.value)
+  kills = resumed = 0
+  start = time.time()
+  while True:
+    process = subprocess.Popen(_command(killed, overrides), cwd=ROOT,
+                               stdout=subprocess.DEVNULL)
+    if kills:
+      resumed += 1
+    try:
+      code = process.wait(timeout=rng.uniform(_MIN.value, _MAX.value))
+    except subprocess.TimeoutExpired:
+      process.kill()  # SIGKILL: no handler, no cleanup
+      process.wait()
+      kills += 1
+      steps = sorted(int(d) for d in os.listdir(
+          os.path.join(killed, "checkpoints")) if d.isdigit()) if os.path.isdir(
+              os.path.join(killed, "checkpoints")) else []
+      print(f"kill {kills} at {time.time() - start:.0f} s; checkpoints on "
+            f"disk: {steps}", flush=True)
+      continue
+    if code != 0:
+      raise SystemExit(f"The killed run failed with status {code}.")
+    break
+  print(f"Killed run finished after {kills} kills, "
+        f"{time.time() - start:.0f} s", flush=True)
+
+  final, _ = pretrained.load_params(killed, 1)
+  expected, _ = pretrained.load_params(reference, 1)
+  max_diff = max(float(np.max(np.abs(a - b))) for a, b in
+                 zip(jax.tree.leaves(final), jax.tree.leaves(expected)))
+  accuracy_diff = abs(_final_accuracy(killed) - _final_accuracy(reference))
+  print(f"summary: kills={kills} resumed={resumed} "
+        f"max_param_diff={max_diff} accuracy_diff={accuracy_diff}")
+
+
+if __name__ == "__main__":
+  app.run(main)
