@@ -135,3 +135,76 @@ def test_keep_best_saves_the_params_of_the_best_evaluation(tmp_path):
       os.path.join(workdir, "checkpoints", str(best["step"])), 2)
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(at_step)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_library_never_unpickles_or_shells_out():
+  """Loading user files must not run code: no pickle, no shell, no eval."""
+  import ast  # pylint: disable=g-import-not-at-top
+  package = os.path.join(ROOT, "vit_jax")
+  for name in sorted(os.listdir(package)):
+    if not name.endswith(".py"):
+      continue
+    with open(os.path.join(package, name)) as f:
+      tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+      if isinstance(node, (ast.Import, ast.ImportFrom)):
+        modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                   else [node.module or ""])
+        for module in modules:
+          assert module.split(".")[0] not in ("pickle", "subprocess",
+                                              "dill", "shelve"), (name,
+                                                                  module)
+      if isinstance(node, ast.Call):
+        func = node.func
+        called = getattr(func, "attr", getattr(func, "id", ""))
+        assert called not in ("system", "popen", "eval", "exec"), (name,
+                                                                   called)
+      if isinstance(node, ast.keyword) and node.arg == "allow_pickle":
+        assert getattr(node.value, "value", None) is False, name
+      if isinstance(node, ast.keyword) and node.arg == "weights_only":
+        assert getattr(node.value, "value", None) is True, name
+
+
+def test_resume_with_another_model_names_the_checkpoint(tmp_path):
+  train.train_and_evaluate(small_config(num_train_steps=2), str(tmp_path))
+  wider = small_config(num_train_steps=4)
+  wider.model.mlp_dim = 48
+  with pytest.raises(checkpoints.CheckpointRestoreError,
+                     match=f"(?s)Cannot restore the checkpoint {tmp_path}/"
+                     r"checkpoints/2: parameter .*MlpBlock_3/Dense_0/bias has "
+                     r"shape \(64,\) in the checkpoint and \(48,\) in the "
+                     "model.*different model"):
+    train.train_and_evaluate(wider, str(tmp_path))
+
+
+def test_damaged_checkpoint_names_the_file(tmp_path):
+  train.train_and_evaluate(small_config(num_train_steps=2), str(tmp_path))
+  step_dir = tmp_path / "checkpoints" / "2"
+  for path in step_dir.rglob("*"):
+    if path.is_file() and path.stat().st_size > 0:
+      path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+  with pytest.raises(checkpoints.CheckpointRestoreError,
+                     match="(?s)checkpoints/2.*damaged"):
+    train.train_and_evaluate(small_config(num_train_steps=4), str(tmp_path))
+
+
+def test_failed_checkpoint_write_keeps_the_last_good_one(tmp_path,
+                                                         monkeypatch):
+  config = small_config(num_train_steps=4, checkpoint_every_steps=2)
+  real_save = checkpoints.ocp.CheckpointManager.save
+
+  def full_disk(self, step, *args, **kwargs):
+    if step == 4:
+      raise OSError(28, "No space left on device")
+    return real_save(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(checkpoints.ocp.CheckpointManager, "save", full_disk)
+  with pytest.raises(checkpoints.WorkdirError,
+                     match="step 4 .*No space left.*last complete "
+                     "checkpoint is step 2"):
+    train.train_and_evaluate(config, str(tmp_path))
+  monkeypatch.undo()
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+  # The same command resumes from step 2 and finishes.
+  train.train_and_evaluate(config, str(tmp_path))
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]

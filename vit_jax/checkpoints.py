@@ -74,7 +74,32 @@ def save(manager: ocp.CheckpointManager, state) -> None:
   """Starts an asynchronous save of `state` at its step (no-op if present)."""
   step = int(jax.device_get(state.step))
   if step not in manager.all_steps():
-    manager.save(step, args=ocp.args.StandardSave(state))
+    with _write_errors(manager, step):
+      manager.save(step, args=ocp.args.StandardSave(state))
+
+
+def finish(manager: ocp.CheckpointManager) -> None:
+  """Waits for an asynchronous save to complete, then closes `manager`."""
+  with _write_errors(manager, None):
+    manager.wait_until_finished()
+  manager.close()
+
+
+@contextlib.contextmanager
+def _write_errors(manager: ocp.CheckpointManager, step: Optional[int]):
+  """A failed write (disk full, permissions) -> WorkdirError that says
+  which checkpoint is the last complete one."""
+  try:
+    yield
+  except OSError as e:
+    what = f"the checkpoint of step {step}" if step is not None else (
+        "a checkpoint")
+    latest = [s for s in manager.all_steps() if s != step]
+    raise WorkdirError(
+        f"Could not write {what} to {manager.directory}: {e}. The last "
+        f"complete checkpoint is step {max(latest) if latest else 'none'}; "
+        "free disk space (or fix permissions) and run the same command to "
+        "resume from it.") from e
 
 
 def restore_latest(manager: ocp.CheckpointManager, state
@@ -94,13 +119,33 @@ def restore_latest(manager: ocp.CheckpointManager, state
     restored = manager.restore(step, args=ocp.args.StandardRestore(target))
   except Exception as e:  # pylint: disable=broad-except
     path = os.path.join(manager.directory, str(step))
+    mismatch = _first_param_mismatch(manager, step, state.params)
+    cause = mismatch or f"{type(e).__name__}: {e}"
     raise CheckpointRestoreError(
-        f"Cannot restore the checkpoint {path}: {type(e).__name__}: {e}\n"
+        f"Cannot restore the checkpoint {path}: {cause}\n"
         "It was written by a different model or config, or it is damaged. "
         "Train with the config that wrote it, point --workdir at a new "
         "folder, or move that checkpoint away to resume from an earlier "
         "one.") from e
   return restored, step
+
+
+def _first_param_mismatch(manager, step: int, params) -> Optional[str]:
+  """'params/<path>: shape X in the checkpoint, Y in the model', if any."""
+  try:
+    stored = manager.item_metadata(step)["params"]
+  except Exception:  # pylint: disable=broad-except
+    return None  # unreadable metadata: the restore error says more
+  name = lambda path: "/".join(str(getattr(k, "key", k)) for k in path)
+  stored = {name(path): tuple(meta.shape) for path, meta in
+            jax.tree_util.tree_flatten_with_path(stored)[0]}
+  wanted = {name(path): tuple(x.shape) for path, x in
+            jax.tree_util.tree_flatten_with_path(params)[0]}
+  for key in sorted(set(stored) | set(wanted)):
+    if stored.get(key) != wanted.get(key):
+      return (f"parameter {key} has shape {stored.get(key, 'absent')} in "
+              f"the checkpoint and {wanted.get(key, 'absent')} in the model")
+  return None
 
 
 def best_accuracy(workdir: str) -> float:

@@ -382,7 +382,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   finally:
     # Let a save in flight finish even when training stops with an error,
     # so the last good checkpoint is complete on disk.
-    manager.wait_until_finished()
-    manager.close()
+    checkpoints.finish(manager)
     writer.close()
   return eval_metrics
