@@ -61,7 +61,8 @@ def attention_grid(images: np.ndarray, maps: Sequence[np.ndarray],
 def training_curves(records: Sequence[dict], path: str) -> str:
   """Loss, accuracy, learning rate and throughput against epoch.
 
-  records: the lines of metrics.jsonl (train and eval splits).
+  records: the lines of metrics.jsonl (train and eval splits). The train
+  loss includes label smoothing; the eval loss does not.
   """
   plt = _pyplot()
   train = [r for r in records if r["split"] == "train"]
@@ -70,6 +71,9 @@ def training_curves(records: Sequence[dict], path: str) -> str:
             ("learning_rate", "learning rate"),
             ("images_per_second", "images / s (train)")]
   figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+  xlabel = "epoch"
+  if train and train[-1]["epoch"]:
+    xlabel += f" ({train[-1]['step'] / train[-1]['epoch']:.0f} steps each)"
   for axis, (key, title) in zip(axes, panels):
     for split, rows, style in (("train", train, "-"), ("eval", evals, "o-")):
       rows = [r for r in rows if key in r]
@@ -77,24 +81,14 @@ def training_curves(records: Sequence[dict], path: str) -> str:
         axis.plot([r["epoch"] for r in rows], [r[key] for r in rows], style,
                   label=split, markersize=3)
     axis.set_title(title)
-    axis.set_xlabel("epoch")
+    axis.set_xlabel(xlabel)
     axis.grid(alpha=0.3)
     if key in ("loss", "accuracy"):
       axis.legend()
-  if train:
-    top = axes[0].secondary_xaxis(
-        "top", functions=(lambda e: e * _steps_per_epoch(train),
-                          lambda s: s / _steps_per_epoch(train)))
-    top.set_xlabel("step")
   figure.tight_layout()
   figure.savefig(path, dpi=100)
   plt.close(figure)
   return path
-
-
-def _steps_per_epoch(train: Sequence[dict]) -> float:
-  last = train[-1]
-  return last["step"] / last["epoch"] if last["epoch"] else 1.0
 
 
 def confusion_matrix(matrix: np.ndarray, class_names: Sequence[str],
