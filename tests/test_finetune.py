@@ -6,8 +6,9 @@ import optax
 import pytest
 
 from helpers import small_config
-from vit_jax import (datasets, input_pipeline, npz_checkpoints,
-                     optim, pretrained, sharding, train, variants)
+from vit_jax import (datasets, input_pipeline, npz_checkpoints, optim,
+                     pretrained, sharding, state_dict_files, torch_checkpoints,
+                     train, variants)
 from vit_jax.models import VisionTransformer
 
 
@@ -133,15 +134,14 @@ def test_init_from_npz_resizes_reheads_and_reports(tmp_path, capsys):
 
 
 def test_init_from_refuses_mismatched_numerics(tmp_path):
-  torch_checkpoints = pytest.importorskip(
-      "vit_jax.torch_checkpoints", reason="needs the [torch] extra")
-  pytest.importorskip("safetensors", reason="needs the [torch] extra")
+  pytest.importorskip("safetensors", reason="writing .safetensors needs "
+                      "the [torch] extra")
   model = VisionTransformer(num_classes=10, patch_size=4, hidden_size=32,
                             num_layers=2, num_heads=2, mlp_dim=64)
   params = model.init(jax.random.PRNGKey(0), np.zeros((1, 16, 16, 3)))[
       "params"]
   path = str(tmp_path / "timm.safetensors")
-  torch_checkpoints.save_state_dict(
+  state_dict_files.save_state_dict(
       torch_checkpoints.export_state_dict(params, "timm"), path)
   with pytest.raises(ValueError, match="approximate_gelu=False"):
     train.train_and_evaluate(_config(init_from=path),

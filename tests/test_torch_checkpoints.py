@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from vit_jax import npz_checkpoints, pretrained, torch_checkpoints, variants
+from vit_jax import (npz_checkpoints, pretrained, state_dict_files,
+                     torch_checkpoints, variants)
 from vit_jax.models import VisionTransformer
 from vit_jax.npz_checkpoints import CheckpointFormatError
 
@@ -188,7 +189,7 @@ def test_export_loads_into_pytorch_and_round_trips(layout, tmp_path):
   exported = torch_checkpoints.export_state_dict(params, layout)
   for suffix in (".safetensors", ".pth"):
     path = str(tmp_path / f"model{suffix}")
-    torch_checkpoints.save_state_dict(exported, path)
+    state_dict_files.save_state_dict(exported, path)
     fresh = _timm_model() if layout == "timm" else _torchvision_model()
     if suffix == ".safetensors":  # read back with the reference reader
       fresh.load_state_dict(safetensors_torch.load_file(path))
@@ -228,7 +229,7 @@ def test_half_precision_safetensors_are_read(tmp_path):
     path = str(tmp_path / f"{dtype}.safetensors")
     half = {k: v.to(dtype) for k, v in model.state_dict().items()}
     safetensors_torch.save_file(half, path)
-    state = torch_checkpoints.read_state_dict(path)
+    state = state_dict_files.read_state_dict(path)
     for key, value in half.items():
       np.testing.assert_array_equal(state[key], value.float().numpy())
 
@@ -238,7 +239,7 @@ def test_truncated_safetensors_is_refused(tmp_path):
   safetensors_torch.save_file(_timm_model().state_dict(), str(path))
   path.write_bytes(path.read_bytes()[:1000])
   with pytest.raises(CheckpointFormatError, match="truncated"):
-    torch_checkpoints.read_state_dict(str(path))
+    state_dict_files.read_state_dict(str(path))
 
 
 def test_unsupported_features_are_refused():
@@ -258,7 +259,7 @@ def test_pickled_objects_are_refused(tmp_path):
   # Any object but tensors and containers needs real unpickling.
   torch.save({"weights": fractions.Fraction(1, 3)}, path)
   with pytest.raises(CheckpointFormatError, match="weights_only"):
-    torch_checkpoints.read_state_dict(path)
+    state_dict_files.read_state_dict(path)
 
 
 @pytest.mark.slow
@@ -306,7 +307,7 @@ def test_convert_command_pytorch_to_npz_and_back(tmp_path):
   assert _convert(f"--input={npz}", f"--output={back}").returncode == 0
   fresh = _timm_model()
   fresh.load_state_dict({k: torch.from_numpy(v) for k, v in
-                         torch_checkpoints.read_state_dict(back).items()})
+                         state_dict_files.read_state_dict(back).items()})
   images = _images(seed=7)
   np.testing.assert_array_equal(_torch_logits(fresh.eval(), images),
                                 _torch_logits(model, images))

@@ -21,7 +21,8 @@ from absl import app, flags, logging
 import jax
 import numpy as np
 
-from vit_jax import npz_checkpoints, pretrained, torch_checkpoints, variants
+from vit_jax import (npz_checkpoints, pretrained, state_dict_files,
+                     torch_checkpoints, variants)
 
 _INPUT = flags.DEFINE_string("input", None, "Checkpoint to convert.")
 _OUTPUT = flags.DEFINE_string("output", None, "File to write.")
@@ -71,7 +72,7 @@ def main(argv):
       npz_checkpoints.save_npz(params, output)
       layout = "official .npz"
     else:
-      torch_checkpoints.save_state_dict(
+      state_dict_files.save_state_dict(
           torch_checkpoints.export_state_dict(params, _LAYOUT.value), output)
       layout = f"{_LAYOUT.value} state dict"
   except (ValueError, FileNotFoundError, ImportError) as e:

@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 import scipy.ndimage
 from flax import traverse_util
 
-from vit_jax import npz_checkpoints, torch_checkpoints
+from vit_jax import npz_checkpoints, state_dict_files, torch_checkpoints
 from vit_jax.npz_checkpoints import CheckpointFormatError
 
 RESIZE_METHODS = ("bilinear", "bicubic")
@@ -68,7 +68,7 @@ def load_params(path: str, num_heads: int) -> tuple[dict, dict]:
     source = "npz"
   elif path.endswith(_TORCH_SUFFIXES):
     return torch_checkpoints.convert_state_dict(
-        torch_checkpoints.read_state_dict(path), num_heads)
+        state_dict_files.read_state_dict(path), num_heads)
   elif not os.path.exists(path):
     raise FileNotFoundError(f"No checkpoint at {path}.")
   else:

@@ -14,19 +14,13 @@ differ from the official JAX ViT in two numerics a state dict does not
 record: they use the exact (erf) GELU, and Hugging Face's LayerNorm epsilon
 is 1e-12; `convert_state_dict` returns these as model settings.
 
-torch is only imported to read `.pth`/`.bin` files; safetensors files are
-parsed here (any dtype, bfloat16 included) and written with the
-`safetensors` package, without torch. Nothing is unpickled beyond tensors (`weights_only=True`).
+Reading and writing the files is vit_jax/state_dict_files.py.
 """
 
 import dataclasses
-import json
-import os
 import re
-import struct
 from typing import Optional
 
-import ml_dtypes
 import numpy as np
 from flax import traverse_util
 
@@ -92,64 +86,6 @@ HUGGING_FACE_V4 = dataclasses.replace(
 
 LAYOUTS = {layout.name: layout for layout in
            (TIMM, TORCHVISION, HUGGING_FACE, HUGGING_FACE_V4)}
-
-
-# safetensors dtype names -> numpy (bfloat16 via ml_dtypes, a JAX dependency).
-_SAFETENSORS_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32,
-    "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
-}
-
-
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-  """Parses a .safetensors file: an 8-byte header size, a JSON header of
-  {name: {dtype, shape, data_offsets}}, then the raw little-endian data."""
-  with open(path, "rb") as f:
-    data = f.read()
-  try:
-    (header_size,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + header_size])
-    body = memoryview(data)[8 + header_size:]
-    tensors = {}
-    for name, info in header.items():
-      if name == "__metadata__":
-        continue
-      begin, end = info["data_offsets"]
-      array = np.frombuffer(body[begin:end],
-                            dtype=_SAFETENSORS_DTYPES[info["dtype"]])
-      tensors[name] = array.reshape(info["shape"]).astype(np.float32)
-    return tensors
-  except (struct.error, ValueError, KeyError, TypeError) as e:
-    raise CheckpointFormatError(
-        f"{path} is not a readable safetensors file ({type(e).__name__}: "
-        f"{e}); it may be truncated.") from e
-
-
-def read_state_dict(path: str) -> dict[str, np.ndarray]:
-  """Tensors of a `.safetensors`, `.pth`, `.pt` or `.bin` file as float32."""
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"No checkpoint file at {path}.")
-  if path.endswith(".safetensors"):
-    return _read_safetensors(path)
-  try:
-    import torch  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise ImportError(
-        f"Reading {path} needs PyTorch: pip install -e '.[torch]' (or save "
-        "the state dict as .safetensors, which needs no torch).") from e
-  try:
-    state = torch.load(path, map_location="cpu", weights_only=True)
-  except Exception as e:  # pylint: disable=broad-except
-    raise CheckpointFormatError(
-        f"{path} cannot be read as a PyTorch state dict with "
-        f"weights_only=True ({type(e).__name__}: {e}). Only plain tensors "
-        "are loaded; files holding other Python objects are refused.") from e
-  for wrapper in ("state_dict", "model", "module"):
-    if isinstance(state, dict) and isinstance(state.get(wrapper), dict):
-      state = state[wrapper]
-  return {k.removeprefix("module."): v.detach().float().numpy()
-          for k, v in state.items() if hasattr(v, "detach")}
 
 
 def detect_layout(state: dict[str, np.ndarray]) -> _Layout:
@@ -359,21 +295,3 @@ def export_state_dict(params, layout: str = "timm") -> dict[str, np.ndarray]:
   `class_token=False, global_pool="avg", fc_norm=False`.
   """
   return _from_canonical(_params_to_canonical(params), LAYOUTS[layout])
-
-
-def save_state_dict(state: dict[str, np.ndarray], path: str) -> None:
-  """Writes a state dict as `.safetensors` (no torch needed) or `.pth`."""
-  tmp_path = path + ".tmp"
-  if path.endswith(".safetensors"):
-    try:
-      from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-    except ImportError as e:
-      raise ImportError("Writing .safetensors needs the safetensors package: "
-                        "pip install -e '.[torch]' (or safetensors).") from e
-    save_file({k: np.ascontiguousarray(v) for k, v in state.items()},
-              tmp_path)
-  else:
-    import torch  # pylint: disable=g-import-not-at-top
-    torch.save({k: torch.from_numpy(np.ascontiguousarray(v))
-                for k, v in state.items()}, tmp_path)
-  os.replace(tmp_path, path)
