@@ -56,11 +56,11 @@ _OUTPUT_DIR = flags.DEFINE_string("output_dir", None,
 
 def _inspect(mode: str, config, workdir: str) -> None:
   """The non-training modes."""
-  output_dir = _OUTPUT_DIR.value or os.path.join(workdir, "figures")
-  os.makedirs(output_dir, exist_ok=True)
   if mode == "summary":
     print(tools.summary(config, validation.num_classes_of(config)))
     return
+  output_dir = _OUTPUT_DIR.value or os.path.join(workdir, "figures")
+  os.makedirs(output_dir, exist_ok=True)
   if mode == "curves":
     path = tools.curves(workdir, os.path.join(output_dir, "curves.png"))
     print(f"Wrote {path}")

@@ -1,8 +1,9 @@
 r"""Kill training with SIGKILL over and over; the result must not change.
 
   python benchmarks/kill_loop.py                    # Fashion-MNIST config
-  python benchmarks/kill_loop.py --min_seconds=20 --max_seconds=60 -- \
-      --config.num_epochs=1
+  python benchmarks/kill_loop.py --min_seconds=30 --max_seconds=90 -- \
+      --config.num_epochs=2 --config.max_train_examples=12800 \
+      --config.eval_every_epochs=2 --config.checkpoint_every_steps=25
 
 A supervisor runs `main.py --config=CONFIG` twice in fresh workdirs: once
 uninterrupted, once killed with SIGKILL at random moments (uniform in
@@ -13,7 +14,12 @@ accuracies of the two runs, which bit-exact resume makes 0.0, and ends with
 
   summary: kills=12 resumed=12 max_param_diff=0.0 accuracy_diff=0.0
 
-Arguments after `--` are passed to main.py (config overrides).
+Arguments after `--` are passed to main.py (config overrides). Each life
+must be able to reach the next checkpoint: the shortest kill interval has
+to exceed start-up (data, compile) + one checkpoint interval (+ an
+evaluation if one falls inside it), or the run never advances; the
+supervisor stops with that advice after --max_stuck kills in a row without
+a new checkpoint.
 """
 
 import os
@@ -36,6 +42,9 @@ _CONFIG = flags.DEFINE_string("config", "configs/vit_tiny_fashion_mnist.py",
 _MIN = flags.DEFINE_float("min_seconds", 60.0, "Shortest time to a kill.")
 _MAX = flags.DEFINE_float("max_seconds", 180.0, "Longest time to a kill.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the kill times.")
+_MAX_STUCK = flags.DEFINE_integer(
+    "max_stuck", 6, "Kills in a row without a new checkpoint before giving "
+    "up.")
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                "Where the two runs go; default a temp dir.")
 
@@ -49,6 +58,13 @@ def _final_accuracy(workdir: str) -> float:
   evals = [r for r in metric_writer.read_metrics(workdir)
            if r["split"] == "eval"]
   return evals[-1]["accuracy"]
+
+
+def _checkpoint_steps(workdir: str) -> list[int]:
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
 
 
 def main(argv):
@@ -65,7 +81,8 @@ def main(argv):
         f"{_final_accuracy(reference):.4f}", flush=True)
 
   rng = random.Random(_SEED.value)
-  kills = resumed = 0
+  kills = resumed = stuck = 0
+  latest = None
   start = time.time()
   while True:
     process = subprocess.Popen(_command(killed, overrides), cwd=ROOT,
@@ -78,11 +95,16 @@ def main(argv):
       process.kill()  # SIGKILL: no handler, no cleanup
       process.wait()
       kills += 1
-      steps = sorted(int(d) for d in os.listdir(
-          os.path.join(killed, "checkpoints")) if d.isdigit()) if os.path.isdir(
-              os.path.join(killed, "checkpoints")) else []
+      steps = _checkpoint_steps(killed)
       print(f"kill {kills} at {time.time() - start:.0f} s; checkpoints on "
             f"disk: {steps}", flush=True)
+      stuck = stuck + 1 if steps and steps[-1] == latest else 0
+      latest = steps[-1] if steps else None
+      if stuck >= _MAX_STUCK.value:
+        raise SystemExit(
+            f"No new checkpoint in {stuck} lives: --min_seconds is shorter "
+            "than start-up + a checkpoint interval (+ evaluation). Raise it, "
+            "or checkpoint more often.")
       continue
     if code != 0:
       raise SystemExit(f"The killed run failed with status {code}.")
