@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 import jax
 import numpy as np
 
@@ -68,6 +68,7 @@ def _checkpoint_steps(workdir: str) -> list[int]:
 
 
 def main(argv):
+  logging.set_verbosity(logging.WARNING)  # Orbax logs every restore at INFO
   overrides = argv[1:]
   root = _WORKDIR.value or tempfile.mkdtemp(prefix="kill_loop_")
   reference, killed = (os.path.join(root, name)
