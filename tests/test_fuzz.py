@@ -15,7 +15,7 @@ from helpers import small_config
 from vit_jax import models, validation
 from vit_jax.models import VisionTransformer
 
-_SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
+_SETTINGS = settings(max_examples=20, deadline=None, derandomize=True,
                      suppress_health_check=[HealthCheck.too_slow])
 _DTYPES = [jnp.uint8, jnp.int32, jnp.float16, jnp.bfloat16, jnp.float32]
 

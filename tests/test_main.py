@@ -122,6 +122,7 @@ def test_finetune_config_runs_from_an_official_layout_checkpoint(tmp_path):
   assert "Final test accuracy" in result.stdout
 
 
+@pytest.mark.slow
 def test_main_inspection_modes_on_fashion_mnist(tmp_path, fashion_mnist_dir):
   """summary, curves, report, attention and predict, as a user runs them."""
   workdir = str(tmp_path / "run")
