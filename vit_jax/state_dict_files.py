@@ -73,7 +73,6 @@ def read_state_dict(path: str) -> dict[str, np.ndarray]:
           for k, v in state.items() if hasattr(v, "detach")}
 
 
-
 def save_state_dict(state: dict[str, np.ndarray], path: str) -> None:
   """Writes a state dict as `.safetensors` (no torch needed) or `.pth`."""
   tmp_path = path + ".tmp"
