@@ -1,6 +1,15 @@
 """Shared helpers of the tests."""
 
 from vit_jax import configs
+from vit_jax.models import VisionTransformer
+
+
+def small_vit(**overrides) -> VisionTransformer:
+  """A 2-layer, 32-wide, 4-head ViT with patch 4 and 10 classes."""
+  fields = dict(num_classes=10, patch_size=4, hidden_size=32, num_layers=2,
+                num_heads=4, mlp_dim=64)
+  fields.update(overrides)
+  return VisionTransformer(**fields)
 
 
 def small_config(**overrides):

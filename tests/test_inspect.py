@@ -11,17 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import small_config
+from helpers import small_config, small_vit
 from vit_jax import (introspect, metric_writer, reports, tools, train,
                      variants)
-from vit_jax.models import VisionTransformer
-
-
-def _small_model(**overrides):
-  fields = dict(num_classes=10, patch_size=4, hidden_size=32, num_layers=2,
-                num_heads=4, mlp_dim=64)
-  fields.update(overrides)
-  return VisionTransformer(**fields)
 
 
 def _init(model, image_size=16, seed=0):
@@ -32,7 +24,7 @@ def _init(model, image_size=16, seed=0):
 
 # ------------------------------------------------------------- attention
 def test_attention_weights_are_distributions_of_the_right_shape():
-  model = _small_model()
+  model = small_vit()
   params, images = _init(model)
   weights = introspect.attention_weights(model, params, images)
   assert len(weights) == 2
@@ -49,7 +41,7 @@ def _layer_norm(x, p, eps=1e-6):
 
 
 def test_attention_weights_equal_recomputation_from_q_and_k():
-  model = _small_model()
+  model = small_vit()
   params, images = _init(model)
   weights = introspect.attention_weights(model, params, images)
   _, state = model.apply({"params": params}, images, mutable=["intermediates"])
@@ -70,7 +62,7 @@ def test_attention_weights_equal_recomputation_from_q_and_k():
 
 
 def test_block_outputs_per_layer():
-  model = _small_model(num_layers=3)
+  model = small_vit(num_layers=3)
   params, images = _init(model)
   outputs = introspect.block_outputs(model, params, images)
   assert len(outputs) == 3
@@ -100,7 +92,7 @@ def test_rollout_of_uniform_attention_follows_the_formula():
 
 
 def test_image_maps_for_any_patch_and_image_size():
-  model = _small_model(patch_size=8)
+  model = small_vit(patch_size=8)
   images = jax.random.normal(jax.random.PRNGKey(0), (2, 40, 24, 3))
   params = model.init(jax.random.PRNGKey(0), images)["params"]
   weights = introspect.attention_weights(model, params, images)
@@ -135,7 +127,7 @@ def test_shape_trace_of_vit_b16_at_224():
 
 
 def test_shape_trace_with_gap_and_pre_logits():
-  model = _small_model(classifier="gap", representation_size=8)
+  model = small_vit(classifier="gap", representation_size=8)
   params, images = _init(model)
   rows = dict(introspect.shape_trace(model, params, images))
   assert "+ class token" not in rows

@@ -4,16 +4,9 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import small_vit
 from vit_jax import npz_checkpoints, pretrained, variants
 from vit_jax.npz_checkpoints import CheckpointFormatError
-from vit_jax.models import VisionTransformer
-
-
-def _small_model(**overrides):
-  fields = dict(num_classes=10, patch_size=4, hidden_size=32, num_layers=2,
-                num_heads=4, mlp_dim=64)
-  fields.update(overrides)
-  return VisionTransformer(**fields)
 
 
 def _random_params(model, image_size=16, seed=0):
@@ -59,7 +52,7 @@ def _assert_trees_equal(a, b):
 
 
 def test_npz_round_trip_is_exact(tmp_path):
-  params = _random_params(_small_model(representation_size=8))
+  params = _random_params(small_vit(representation_size=8))
   path = str(tmp_path / "model.npz")
   npz_checkpoints.save_npz(params, path)
   loaded, settings = pretrained.load_params(path, num_heads=4)
@@ -71,7 +64,7 @@ def test_npz_round_trip_is_exact(tmp_path):
 @pytest.mark.parametrize("scanned", [False, True])
 @pytest.mark.parametrize("prefix", ["params/", "params/img/", ""])
 def test_big_vision_layout_loads_to_the_same_tree(tmp_path, scanned, prefix):
-  params = _random_params(_small_model())
+  params = _random_params(small_vit())
   # big_vision adds no position embedding to the class token.
   posemb = params["Transformer"]["posembed_input"]["pos_embedding"]
   posemb[:, 0] = 0.0
@@ -82,7 +75,7 @@ def test_big_vision_layout_loads_to_the_same_tree(tmp_path, scanned, prefix):
 
 
 def test_training_checkpoint_prefix_and_gap(tmp_path):
-  params = _random_params(_small_model(classifier="gap"))
+  params = _random_params(small_vit(classifier="gap"))
   path = str(tmp_path / "opt.npz")
   np.savez(path, **{"opt/target/" + k: v for k, v in
                     npz_checkpoints.flatten(params).items()})
@@ -111,7 +104,7 @@ def test_official_ti16_layout_param_count(tmp_path):
 
 
 def test_unsupported_npz_models_are_refused(tmp_path):
-  flat = npz_checkpoints.flatten(_random_params(_small_model()))
+  flat = npz_checkpoints.flatten(_random_params(small_vit()))
   map_head = dict(flat, **{"MAPHead_0/probe": np.zeros((1, 1, 32))})
   np.savez(tmp_path / "map.npz", **map_head)
   with pytest.raises(CheckpointFormatError, match="'map'"):
@@ -127,7 +120,7 @@ def test_unsupported_npz_models_are_refused(tmp_path):
 
 def test_damaged_or_pickled_npz_is_refused(tmp_path):
   path = tmp_path / "model.npz"
-  npz_checkpoints.save_npz(_random_params(_small_model()), str(path))
+  npz_checkpoints.save_npz(_random_params(small_vit()), str(path))
   data = path.read_bytes()
   path.write_bytes(data[: len(data) // 2])
   with pytest.raises(CheckpointFormatError, match="model.npz"):
@@ -172,9 +165,9 @@ def test_linear_ramp_is_interpolated_linearly():
 
 
 def test_adapt_reheads_resizes_and_drops_pre_logits():
-  source = _random_params(_small_model(num_classes=21,
+  source = _random_params(small_vit(num_classes=21,
                                        representation_size=32))
-  target_model = _small_model(num_classes=10)
+  target_model = small_vit(num_classes=10)
   target = _random_params(target_model, image_size=32)
   params, report = pretrained.adapt_params(source, target, (8, 8))
   assert params["Transformer"]["posembed_input"]["pos_embedding"].shape == (
@@ -195,14 +188,14 @@ def test_adapt_reheads_resizes_and_drops_pre_logits():
 
 
 def test_adapt_names_the_first_mismatch():
-  source = _random_params(_small_model(mlp_dim=48))
-  target = _random_params(_small_model())
+  source = _random_params(small_vit(mlp_dim=48))
+  target = _random_params(small_vit())
   with pytest.raises(ValueError, match=r"Dense_0/bias has shape \(48,\) in "
                      r"the checkpoint and \(64,\) in the model"):
     pretrained.adapt_params(source, target, (4, 4))
   with pytest.raises(ValueError, match="classifier=gap"):
-    pretrained.adapt_params(_random_params(_small_model(classifier="gap")),
+    pretrained.adapt_params(_random_params(small_vit(classifier="gap")),
                             target, (4, 4))
   with pytest.raises(ValueError, match="only in the checkpoint"):
-    pretrained.adapt_params(_random_params(_small_model(num_layers=3)),
+    pretrained.adapt_params(_random_params(small_vit(num_layers=3)),
                             target, (4, 4))
