@@ -85,6 +85,14 @@ FIXED_STATS = {
 NORMALIZATIONS = ("dataset",) + tuple(FIXED_STATS)
 
 
+def pixel_stats(normalization: str, dataset) -> tuple[np.ndarray, np.ndarray]:
+  """Per-channel (mean, std) for `normalization`; "dataset" measures the
+  training split of `dataset` (a datasets.Dataset)."""
+  if normalization == "dataset":
+    return dataset.channel_stats()
+  return tuple(np.array(x, np.float32) for x in FIXED_STATS[normalization])
+
+
 def resize(images: jax.Array, image_size) -> jax.Array:
   """Bilinear resize of (B, H, W, C) to (B, S, S, C) float32; None: as is."""
   if image_size is None or images.shape[1:3] == (image_size, image_size):

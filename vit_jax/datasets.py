@@ -15,7 +15,6 @@ Sources, in the order `data_source="auto"` tries them:
 """
 
 import dataclasses
-import os
 from typing import Optional, Sequence
 
 import ml_collections

@@ -82,7 +82,7 @@ def load_trained(config: ml_collections.ConfigDict, workdir: str
       info = json.load(f)
   else:  # a run from before model_info.json: derive it from the dataset
     dataset = datasets.load(config)
-    mean, std = dataset.channel_stats()
+    mean, std = augment.pixel_stats(config.normalization, dataset)
     info = dict(class_names=dataset.class_names,
                 image_shape=validation.image_shape_of(config),
                 mean=mean.tolist(), std=std.tolist())

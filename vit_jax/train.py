@@ -249,10 +249,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                      f"{num_train} training examples; lower it.")
   total_steps = config.num_train_steps or config.num_epochs * steps_per_epoch
   flip = (dataset.flip if config.random_flip is None else config.random_flip)
-  if config.normalization == "dataset":
-    mean, std = dataset.channel_stats()
-  else:
-    mean, std = (np.array(x) for x in augment.FIXED_STATS[config.normalization])
+  mean, std = augment.pixel_stats(config.normalization, dataset)
   height, width, channels = dataset.image_shape
   if config.image_size is not None:
     height = width = config.image_size
