@@ -7,6 +7,12 @@ Any config key can be overridden on the command line, e.g.
       --config.batch_size=64 --config.num_epochs=5 --workdir=/tmp/run
 Running the same command again resumes from the latest checkpoint in workdir.
 
+Several processes (hosts) run the same command, each with
+--coordinator_address=HOST:PORT --num_processes=N --process_id=I, or with
+--multihost under SLURM, Open MPI or on a TPU pod slice; --config.mesh.data
+and --config.mesh.fsdp lay out the devices (README: "Many devices, many
+hosts").
+
 The other modes use the same config and workdir (figures go to
 WORKDIR/figures unless --output_dir is given):
   --mode=summary    shape of every stage, parameters per module, FLOPs
@@ -22,11 +28,12 @@ WORKDIR/figures unless --output_dir is given):
 import os
 import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from vit_jax import (checkpoints, datasets, models, preemption, tools, train,
-                     validation)
+from vit_jax import (checkpoints, datasets, models, multihost, preemption,
+                     tools, train, validation)
 
 # Errors whose message already says what went wrong and how to fix it: shown
 # as they are, without a traceback.
@@ -52,6 +59,18 @@ _LAYER = flags.DEFINE_integer("layer", -1, "attention: layer of the "
                               "per-head maps (-1: the last).")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None,
                                   "Where figures go; default WORKDIR/figures.")
+# Several processes (hosts) in one run; see vit_jax/multihost.py.
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None,
+    "host:port of process 0, reachable by every process.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
+                                      "Processes in the run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None,
+                                   "This process's index, 0..num_processes-1.")
+_MULTIHOST = flags.DEFINE_bool(
+    "multihost", False,
+    "Detect the processes from SLURM, Open MPI, a TPU pod slice or "
+    "Kubernetes.")
 
 
 def _inspect(mode: str, config, workdir: str) -> None:
@@ -97,16 +116,21 @@ def main(argv):
   # Orbax logs every save at INFO; keep the console to our progress lines.
   logging.set_verbosity(logging.WARNING)
   try:
+    multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value,
+                         _PROCESS_ID.value, auto=_MULTIHOST.value)
     if _MODE.value != "train":
       _inspect(_MODE.value, _CONFIG.value, workdir)
       return
-    print(f"Config {config_path}, workdir {workdir}", flush=True)
+    if jax.process_index() == 0:
+      print(f"Config {config_path}, workdir {workdir}", flush=True)
     metrics = train.train_and_evaluate(_CONFIG.value, workdir)
   except preemption.Preempted as e:
     print(e, file=sys.stderr, flush=True)
     sys.exit(e.exit_code)
   except _USER_ERRORS as e:
     raise SystemExit(f"{type(e).__name__}: {e}") from e
+  if jax.process_index() != 0:
+    return
   print(f"Final test accuracy {metrics['accuracy']:.4f}, loss "
         f"{metrics['loss']:.4f} over {int(metrics['num_examples'])} images.",
         flush=True)

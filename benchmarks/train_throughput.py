@@ -49,7 +49,8 @@ def main(_):
                                    optim.make_optimizer(config, schedule),
                                    0, mesh)
   train_fn, _ = train.compile_steps(
-      config, mesh, np.full(channels, 127.0, np.float32),
+      config, mesh, train.shardings_of(state),
+      np.full(channels, 127.0, np.float32),
       np.full(channels, 64.0, np.float32), True, schedule)
   batches = input_pipeline.train_batches(images, labels, _BATCH.value, 0, 0,
                                          mesh)

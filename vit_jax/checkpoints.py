@@ -37,6 +37,12 @@ def locked_workdir(workdir: str) -> Iterator[None]:
   `workdir/.lock`, released by the OS even if the process is killed.
   """
   path = os.path.join(workdir, ".lock")
+  if jax.process_index() != 0:
+    # The processes of one multi-host run share the workdir; process 0
+    # holds the lock for all of them.
+    os.makedirs(workdir, exist_ok=True)
+    yield
+    return
   try:
     os.makedirs(workdir, exist_ok=True)
     handle = open(path, "a+")  # pylint: disable=consider-using-with
@@ -158,9 +164,11 @@ def best_accuracy(workdir: str) -> float:
 
 
 def save_best(workdir: str, params, step: int, metrics: dict) -> None:
-  """Writes params as `workdir/best/params.npz` (official layout, atomic)
-  and their eval metrics as `best/metrics.json` (written after the params,
-  so metrics.json never describes params that are not on disk)."""
+  """Writes params (host arrays: `sharding.to_host`, called by every
+  process) as `workdir/best/params.npz` (official layout, atomic) and their
+  eval metrics as `best/metrics.json` (written after the params, so
+  metrics.json never describes params that are not on disk). Process 0
+  writes."""
   if jax.process_index() != 0:
     return
   directory = os.path.join(workdir, BEST_DIR)

@@ -4,6 +4,11 @@ Training order is a pure function of (seed, step): epoch e visits the
 examples in permutation `rng([seed, e])`. Resuming at step s therefore
 continues with exactly the batch an uninterrupted run would have seen, with
 no iterator state to save.
+
+With several processes, every process computes the same global batch
+indices and gathers only its own contiguous block of them (the rows its
+devices hold); `sharding.to_global_batch` joins the blocks into one global
+array without any transfer between hosts.
 """
 
 import collections

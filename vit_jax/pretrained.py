@@ -45,7 +45,14 @@ def _orbax_params(path: str) -> dict:
         f"{path} is not a vit_jax Orbax checkpoint (no {item}). Pass a "
         "workdir, its checkpoints/ folder or one step folder.")
   try:
-    restored = ocp.StandardCheckpointer().restore(item)
+    # Restored as host numpy arrays, so a checkpoint written on any mesh,
+    # device count or number of hosts reads anywhere.
+    checkpointer = ocp.PyTreeCheckpointer()
+    stored = checkpointer.metadata(item).item_metadata.tree
+    as_numpy = jax.tree.map(
+        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), stored)
+    restored = checkpointer.restore(
+        item, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
   except Exception as e:  # pylint: disable=broad-except
     raise CheckpointFormatError(
         f"Cannot read the Orbax checkpoint {item}: {type(e).__name__}: "

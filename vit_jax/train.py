@@ -1,8 +1,10 @@
 """Training and evaluation: `train_and_evaluate(config, workdir)`.
 
 The steps are pure functions of arrays, jit-compiled once with declared
-shardings (state replicated, batch split on the "data" mesh axis). All I/O,
-logging and checkpointing happens in `train_and_evaluate`, around them.
+shardings (the state placed by the rules of `sharding.state_shardings`:
+replicated, or split over the "fsdp" mesh axis; batches split over every
+device). All I/O, logging and checkpointing happens in `train_and_evaluate`,
+around them.
 """
 
 import functools
@@ -16,6 +18,7 @@ import ml_collections
 import numpy as np
 import optax
 from flax.training import train_state
+from jax.experimental import multihost_utils
 
 from vit_jax import (augment, checkpoints, datasets, input_pipeline,
                      metric_writer, optim, preemption, pretrained, sharding,
@@ -36,8 +39,13 @@ class TrainState(train_state.TrainState):
 
 def create_train_state(model: nn.Module, image_shape: tuple[int, int, int],
                        optimizer: optax.GradientTransformation, seed: int,
-                       mesh: jax.sharding.Mesh) -> TrainState:
-  """Initialises parameters and optimizer state, replicated over `mesh`."""
+                       mesh: jax.sharding.Mesh, fsdp_min_size: int = 1024
+                       ) -> TrainState:
+  """Initialises parameters and optimizer state directly in place on `mesh`.
+
+  Each device computes only its own slice (jit with out_shardings), so a
+  model split by FSDP never exists whole on one device, not even at init.
+  """
 
   def init(key):
     params_key, state_key = jax.random.split(key)
@@ -46,8 +54,15 @@ def create_train_state(model: nn.Module, image_shape: tuple[int, int, int],
     return TrainState.create(apply_fn=model.apply, params=params,
                              tx=optimizer, rng=state_key)
 
-  return jax.jit(init, out_shardings=sharding.replicated(mesh))(
-      jax.random.PRNGKey(seed))
+  key = jax.random.PRNGKey(seed)
+  shardings = sharding.state_shardings(mesh, jax.eval_shape(init, key),
+                                       fsdp_min_size)
+  return jax.jit(init, out_shardings=shardings)(key)
+
+
+def shardings_of(tree):
+  """The sharding of every array in `tree` (for jit's in/out_shardings)."""
+  return jax.tree.map(lambda x: x.sharding, tree)
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array,
@@ -136,9 +151,13 @@ def eval_step(state: TrainState, images: jax.Array, labels: jax.Array,
 
 
 def compile_steps(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
-                  mean: np.ndarray, std: np.ndarray, flip: bool,
-                  learning_rate_fn: optax.Schedule):
-  """The jitted train and eval steps for `config`, with shardings declared."""
+                  state_sharding, mean: np.ndarray, std: np.ndarray,
+                  flip: bool, learning_rate_fn: optax.Schedule):
+  """The jitted train and eval steps for `config`, with shardings declared.
+
+  `state_sharding` is the train state's layout (`shardings_of(state)`); the
+  new state keeps it, and metrics come back replicated.
+  """
   replicated = sharding.replicated(mesh)
   batch = sharding.batch_sharded(mesh)
   train_fn = jax.jit(
@@ -154,15 +173,15 @@ def compile_steps(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
           learning_rate_fn=learning_rate_fn,
           accum_steps=config.accum_steps,
           skip_nonfinite=config.skip_nonfinite_steps),
-      in_shardings=(replicated, batch, batch),
-      out_shardings=(replicated, replicated),
+      in_shardings=(state_sharding, batch, batch),
+      out_shardings=(state_sharding, replicated),
       donate_argnums=0)
   eval_fn = jax.jit(
       functools.partial(
           eval_step, preprocess=functools.partial(
               augment.eval_preprocess, mean=mean, std=std,
               image_size=config.image_size)),
-      in_shardings=(replicated, batch, batch, batch),
+      in_shardings=(state_sharding, batch, batch, batch),
       out_shardings=replicated)
   return train_fn, eval_fn
 
@@ -186,8 +205,7 @@ def evaluate(eval_fn, state: TrainState, dataset: datasets.Dataset,
 
 
 def init_from_pretrained(config: ml_collections.ConfigDict, state: TrainState,
-                         image_size: tuple[int, int], mesh: jax.sharding.Mesh
-                         ) -> TrainState:
+                         image_size: tuple[int, int]) -> TrainState:
   """`state` with params from config.init_from, fitted to the model."""
   loaded, settings = pretrained.load_params(config.init_from,
                                             config.model.num_heads)
@@ -195,12 +213,12 @@ def init_from_pretrained(config: ml_collections.ConfigDict, state: TrainState,
   grid = (image_size[0] // config.model.patch_size,
           image_size[1] // config.model.patch_size)
   params, report = pretrained.adapt_params(
-      loaded, jax.device_get(state.params), grid,
+      loaded, sharding.to_host(state.params), grid,
       method=config.posemb_resize)
   metric_writer.log(f"Initialised from {config.init_from} "
                     f"({settings['source']}): " + "; ".join(report) + ".")
-  return state.replace(params=jax.device_put(params,
-                                             sharding.replicated(mesh)))
+  return state.replace(
+      params=sharding.put(params, shardings_of(state.params)))
 
 
 def _mean_metrics(pending: list[dict[str, jax.Array]]) -> dict[str, float]:
@@ -228,7 +246,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                         stop: preemption.StopSignals) -> dict[str, float]:
-  mesh = sharding.make_mesh()
+  mesh = sharding.make_mesh(config.mesh)
   sharding.check_batch_size(config.batch_size, mesh, "batch_size")
   sharding.check_batch_size(config.eval_batch_size, mesh, "eval_batch_size")
   micro_batch = config.batch_size // config.accum_steps
@@ -265,12 +283,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                                   steps_per_epoch)
   optimizer = optim.make_optimizer(config, learning_rate_fn)
   state = create_train_state(model, (height, width, channels), optimizer,
-                             config.seed, mesh)
+                             config.seed, mesh, config.fsdp_min_size)
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
   log(f"Model: {config.model.name}, {num_params:,} parameters; "
-      f"{len(mesh.devices.flat)} device(s) ({jax.devices()[0].platform}); "
-      f"{total_steps} steps of batch {config.batch_size} "
-      f"({steps_per_epoch} per epoch).")
+      f"{mesh.size} device(s) ({jax.devices()[0].platform}) in "
+      f"{jax.process_count()} process(es), mesh "
+      f"{dict(mesh.shape)}; {total_steps} steps of batch "
+      f"{config.batch_size} ({steps_per_epoch} per epoch).")
 
   # Resume.
   manager = checkpoints.make_manager(workdir, config.keep_checkpoints)
@@ -279,11 +298,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if restored_step is not None:
     log(f"Resumed from the checkpoint of step {restored_step} in {workdir}.")
   elif config.init_from is not None:
-    state = init_from_pretrained(config, state, (height, width), mesh)
+    state = init_from_pretrained(config, state, (height, width))
   writer = metric_writer.MetricWriter(workdir, resume_step=start_step)
 
-  train_fn, eval_fn = compile_steps(config, mesh, mean, std, flip,
-                                    learning_rate_fn)
+  train_fn, eval_fn = compile_steps(config, mesh, shardings_of(state), mean,
+                                    std, flip, learning_rate_fn)
   batches = input_pipeline.train_batches(
       dataset.train_images, dataset.train_labels, config.batch_size,
       config.seed, start_step, mesh)
@@ -331,6 +350,19 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     writer.write(step, "train", metrics)
     timer_start, timer_step, paused = time.perf_counter(), step, 0.0
 
+  def agreed_stop(done):
+    """The signal to stop on after step `done`, or None. Processes may get
+    a signal at different times; they must stop at the same step (saving is
+    collective), so with several processes they compare at log steps."""
+    if jax.process_count() == 1:
+      return stop.received
+    if done % config.log_every_steps:
+      return None
+    received = multihost_utils.process_allgather(
+        np.int32(stop.received or 0))
+    return int(received.max()) or None
+
+  best_accuracy = checkpoints.best_accuracy(workdir)  # read before any write
   try:
     for step in range(start_step, total_steps):
       state, metrics = train_fn(state, *next(batches))
@@ -351,8 +383,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       epoch = done // steps_per_epoch
       evaluate_now = done == total_steps or (
           done % steps_per_epoch == 0 and epoch % config.eval_every_epochs == 0)
+      stop_signal = agreed_stop(done)
       save_now = (done % config.checkpoint_every_steps == 0 or
-                  done == total_steps or stop.received is not None)
+                  done == total_steps or stop_signal is not None)
       if evaluate_now or save_now:
         jax.block_until_ready(state)
         pause_start = time.perf_counter()  # not counted as training time
@@ -361,18 +394,19 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                   config.eval_batch_size, mesh)
           eval_metrics["epoch"] = done / steps_per_epoch
           writer.write(done, "eval", eval_metrics)
-          if (config.keep_best and
-              eval_metrics["accuracy"] > checkpoints.best_accuracy(workdir)):
-            checkpoints.save_best(workdir, state.params, done, eval_metrics)
+          if config.keep_best and eval_metrics["accuracy"] > best_accuracy:
+            best_accuracy = eval_metrics["accuracy"]
+            checkpoints.save_best(workdir, sharding.to_host(state.params),
+                                  done, eval_metrics)
             log(f"New best eval accuracy {eval_metrics['accuracy']:.4f}: "
                 f"params saved to {workdir}/{checkpoints.BEST_DIR}.")
         if save_now:
           check_finite(done)  # never save a state whose loss was not checked
           checkpoints.save(manager, state)
         paused += time.perf_counter() - pause_start
-      if stop.received is not None:
+      if stop_signal is not None:
         manager.wait_until_finished()
-        raise preemption.Preempted(stop.received, done, manager.directory)
+        raise preemption.Preempted(stop_signal, done, manager.directory)
     if not eval_metrics:  # nothing left to train: report the restored state
       eval_metrics = evaluate(eval_fn, state, dataset, config.eval_batch_size,
                               mesh)

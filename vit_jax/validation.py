@@ -2,9 +2,10 @@
 
 import os
 
+import jax
 import ml_collections
 
-from vit_jax import augment, datasets, models, optim, pretrained
+from vit_jax import augment, datasets, models, optim, pretrained, sharding
 
 
 def image_shape_of(config: ml_collections.ConfigDict) -> tuple[int, int, int]:
@@ -65,6 +66,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if config.image_size is not None and config.image_size <= 0:
     raise ValueError(f"config.image_size={config.image_size} must be "
                      "positive (or None to keep the dataset's size).")
+  sharding.mesh_shape(config.mesh, jax.device_count())  # raises if unfit
+  if config.fsdp_min_size < 0:
+    raise ValueError(f"config.fsdp_min_size={config.fsdp_min_size} must be "
+                     ">= 0.")
   if config.init_from is not None and not os.path.exists(config.init_from):
     raise ValueError(
         f"config.init_from={config.init_from!r}: no such file or folder. "
