@@ -13,9 +13,9 @@ the compiled programs, which XLA reports per device:
 - init temp: scratch of the init program (well under one full copy of the
   parameters: the model is never materialised whole on one device);
 - step temp: activations, gradients and all-gathered weights of one train
-  step at --batch_per_device images per device.
-Compiling ViT-H/14's train step takes a few minutes on 2 cores; pass
---models=ViT-L/16 for a quicker run.
+  step, at each --batch_per_device (images per device).
+The whole table takes about 6 minutes on 2 cores (compiling, not running);
+--models=ViT-L/16 or --notrain_step for a quicker run.
 """
 
 import time
@@ -29,8 +29,8 @@ from vit_jax import configs, optim, sharding, train, variants
 
 _MODELS = flags.DEFINE_list("models", ["ViT-L/16", "ViT-H/14"],
                             "Variants to analyse.")
-_BATCH = flags.DEFINE_integer("batch_per_device", 8,
-                              "Images per device in the train step.")
+_BATCHES = flags.DEFINE_list("batch_per_device", ["1", "8"],
+                             "Images per device in the train step.")
 _STEP = flags.DEFINE_bool("train_step", True,
                           "Also compile a train step (slow for ViT-H/14).")
 
@@ -43,7 +43,7 @@ def _bytes_per_device(tree) -> int:
              for x in jax.tree.leaves(tree))
 
 
-def analyse(name: str, mesh_config: dict, batch_per_device: int,
+def analyse(name: str, mesh_config: dict, batches_per_device: list[int],
             train_step: bool) -> dict:
   config = configs.base_config(name)
   model = variants.build_model(config.model, 1000)
@@ -77,12 +77,13 @@ def analyse(name: str, mesh_config: dict, batch_per_device: int,
       state_mib=init_memory.output_size_in_bytes / MIB,
       init_temp_mib=init_memory.temp_size_in_bytes / MIB,
       init_compile_s=init_seconds)
-  if train_step:
+  train_fn, _ = train.compile_steps(
+      config, mesh, state_shardings, np.zeros(3, np.float32),
+      np.ones(3, np.float32), True, schedule)
+  batch_sharding = sharding.batch_sharded(mesh)
+  row["step_temp_mib"], row["step_compile_s"] = [], []
+  for batch_per_device in batches_per_device if train_step else []:
     batch = batch_per_device * mesh.size
-    train_fn, _ = train.compile_steps(
-        config, mesh, state_shardings, np.zeros(3, np.float32),
-        np.ones(3, np.float32), True, schedule)
-    batch_sharding = sharding.batch_sharded(mesh)
     images = jax.ShapeDtypeStruct((batch,) + shape, jnp.uint8,
                                   sharding=batch_sharding)
     labels = jax.ShapeDtypeStruct((batch,), jnp.int32,
@@ -90,35 +91,34 @@ def analyse(name: str, mesh_config: dict, batch_per_device: int,
     start = time.perf_counter()
     step_memory = train_fn.lower(abstract, images, labels).compile(
     ).memory_analysis()
-    row.update(step_temp_mib=step_memory.temp_size_in_bytes / MIB,
-               step_compile_s=time.perf_counter() - start)
+    row["step_temp_mib"].append(step_memory.temp_size_in_bytes / MIB)
+    row["step_compile_s"].append(time.perf_counter() - start)
   return row
 
 
 def main(argv):
   del argv
   devices = jax.device_count()
-  print(f"{devices} {jax.devices()[0].platform} devices; per-device MiB "
-        f"(float32 params, AdamW state), train step at "
-        f"{_BATCH.value} images/device, 224 px.\n")
+  batches = [int(b) for b in _BATCHES.value] if _STEP.value else []
+  print(f"{devices} {jax.devices()[0].platform} devices; MiB per device "
+        "(float32 params, AdamW state); train step at 224 px.\n")
   meshes = [dict(data=devices, fsdp=1), dict(data=1, fsdp=devices)]
-  header = ("| model | params | mesh | params | optimizer | state (init) "
-            "| init temp | step temp | compile init / step |")
-  print(header)
-  print("|---|---:|---|---:|---:|---:|---:|---:|---|")
+  steps = "".join(f" step temp, {b}/device |" for b in batches)
+  print("| model | params | mesh | params | optimizer | state (init) | "
+        f"init temp |{steps} compile init / steps |")
+  print("|---|---:|---|---:|---:|---:|---:|" + "---:|" * len(batches) +
+        "---|")
   for name in _MODELS.value:
     for mesh_config in meshes:
-      row = analyse(name, mesh_config, _BATCH.value, _STEP.value)
+      row = analyse(name, mesh_config, batches, _STEP.value)
       mesh = ", ".join(f"{k}={v}" for k, v in mesh_config.items())
-      step = (f"{row['step_temp_mib']:,.0f}" if "step_temp_mib" in row
-              else "-")
-      compile_s = f"{row['init_compile_s']:.0f} s" + (
-          f" / {row['step_compile_s']:.0f} s" if "step_compile_s" in row
-          else "")
+      steps = "".join(f" {temp:,.0f} |" for temp in row["step_temp_mib"])
+      compile_s = " / ".join(f"{t:.0f}" for t in
+                             [row["init_compile_s"]] + row["step_compile_s"])
       print(f"| {name} | {row['params'] / 1e6:.1f} M | {mesh} | "
             f"{row['params_mib']:,.0f} | {row['optimizer_mib']:,.0f} | "
-            f"{row['state_mib']:,.0f} | {row['init_temp_mib']:,.0f} | "
-            f"{step} | {compile_s} |", flush=True)
+            f"{row['state_mib']:,.0f} | {row['init_temp_mib']:,.0f} |"
+            f"{steps} {compile_s} s |", flush=True)
 
 
 if __name__ == "__main__":
