@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vit_jax import mixing, randaugment
+
 
 def random_crop(images: jax.Array, key: jax.Array, padding: int) -> jax.Array:
   """Zero-pads by `padding` and takes a random crop of the original size.
@@ -109,15 +111,22 @@ def eval_preprocess(images: jax.Array, *, mean: np.ndarray, std: np.ndarray,
   return normalize(resize(images, image_size), mean, std)
 
 
+AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment")
+
+
 def train_preprocess(images: jax.Array, key: jax.Array, *, mean: np.ndarray,
                      std: np.ndarray, crop_padding: int, flip: bool,
                      image_size=None, resized_crop: bool = False,
-                     min_crop_area: float = 0.05) -> jax.Array:
+                     min_crop_area: float = 0.05, auto_augment: str = "none",
+                     randaugment_num_ops: int = 2,
+                     randaugment_magnitude: float = 9.0,
+                     erase_probability: float = 0.0) -> jax.Array:
   """Augments and normalises a uint8 training batch. (B, H, W, C) -> float32.
 
-  Crop (with padding, or random-resized to image_size), flip, resize.
+  Crop (with padding, or random-resized to image_size), flip, RandAugment
+  or TrivialAugment, resize, normalise, random erasing.
   """
-  crop_key, flip_key = jax.random.split(key)
+  crop_key, flip_key, auto_key, erase_key = jax.random.split(key, 4)
   if resized_crop:
     images = random_resized_crop(images, crop_key,
                                  image_size or images.shape[1],
@@ -126,4 +135,12 @@ def train_preprocess(images: jax.Array, key: jax.Array, *, mean: np.ndarray,
     images = random_crop(images, crop_key, crop_padding)
   if flip:
     images = random_flip(images, flip_key)
-  return eval_preprocess(images, mean=mean, std=std, image_size=image_size)
+  if auto_augment == "randaugment":
+    images = randaugment.rand_augment(
+        images.astype(jnp.float32), auto_key, randaugment_num_ops,
+        randaugment_magnitude / 10)
+  elif auto_augment == "trivialaugment":
+    images = randaugment.trivial_augment(images.astype(jnp.float32),
+                                         auto_key)
+  images = eval_preprocess(images, mean=mean, std=std, image_size=image_size)
+  return mixing.random_erasing(images, erase_key, erase_probability)

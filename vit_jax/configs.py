@@ -39,6 +39,19 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   config.random_resized_crop = False
   config.min_crop_area = 0.05
   config.random_flip = config_dict.placeholder(bool)  # None: dataset default
+  # After crop and flip: "randaugment" (randaugment_num_ops operations at
+  # randaugment_magnitude, 0-10) or "trivialaugment" (one operation, random
+  # magnitude), on device; see vit_jax/randaugment.py. "none" disables.
+  config.auto_augment = "none"
+  config.randaugment_num_ops = 2
+  config.randaugment_magnitude = 9.0
+  # Probability of erasing a random box of each image (after
+  # normalisation, with noise); 0 disables.
+  config.random_erasing = 0.0
+  # Mixup / CutMix Beta(alpha, alpha) weights; 0 disables one. Both > 0:
+  # each batch uses one of them, 50/50. Targets are mixed the same way.
+  config.mixup_alpha = 0.0
+  config.cutmix_alpha = 0.0
   # Resize (bilinear, on device) to image_size x image_size after the crop,
   # e.g. 384 to fine-tune at the paper's resolution; None keeps the size.
   config.image_size = config_dict.placeholder(int)
@@ -65,7 +78,8 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   config.fsdp_min_size = 1024
 
   # Optimisation: linear warm-up then cosine decay, global-norm clip, and
-  # "adamw" or "sgd" (with momentum: the paper's fine-tuning recipe).
+  # "adamw", "lamb" or "sgd" (with momentum: the paper's fine-tuning
+  # recipe).
   config.optimizer = "adamw"
   config.batch_size = 128  # examples per update, over all devices
   # Split each batch into accum_steps micro-batches whose gradients are
@@ -78,6 +92,7 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   config.num_train_steps = config_dict.placeholder(int)  # overrides epochs
   config.learning_rate = 1e-3
   config.end_learning_rate = 1e-5
+  config.schedule = "cosine"  # decay after warm-up: "cosine" or "linear"
   config.warmup_epochs = 5.0
   config.warmup_steps = config_dict.placeholder(int)  # overrides the epochs
   config.weight_decay = 0.05
@@ -85,6 +100,12 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   config.adam_b1 = 0.9
   config.adam_b2 = 0.999
   config.momentum = 0.9  # for optimizer="sgd"
+  # Layer-wise learning-rate decay: block i from the top learns at
+  # layer_decay ** i times the head's rate (e.g. 0.75 to fine-tune); 1 off.
+  config.layer_decay = 1.0
+  # Exponential moving average of the params, evaluated next to them
+  # (eval metrics ema_loss, ema_accuracy); 0 disables, e.g. 0.999.
+  config.ema_decay = 0.0
   config.grad_clip_norm = 1.0  # 0 disables clipping
   # A NaN/Inf loss or gradient stops training (nothing poisoned is saved);
   # True skips that step's update instead and logs it.

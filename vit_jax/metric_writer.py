@@ -69,8 +69,8 @@ class MetricWriter:
       self._tensorboard.close()
 
 
-_ORDER = ["epoch", "loss", "accuracy", "learning_rate", "grad_norm",
-          "images_per_second", "num_examples"]
+_ORDER = ["epoch", "loss", "accuracy", "ema_loss", "ema_accuracy",
+          "learning_rate", "grad_norm", "images_per_second", "num_examples"]
 
 
 def _format(value: float) -> str:

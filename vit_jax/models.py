@@ -5,7 +5,8 @@ checkpoint tree, so released `.npz` files map onto this model one to one:
 
   embedding/{kernel,bias}                      patch embedding (Conv)
   cls                                          class token, (1, 1, D)
-  Transformer/posembed_input/pos_embedding     (1, N+1, D)
+  Transformer/posembed_input/pos_embedding     (1, N+1, D); absent with
+                                               posemb="sincos2d" (fixed)
   Transformer/encoderblock_{i}/LayerNorm_0
   Transformer/encoderblock_{i}/MultiHeadDotProductAttention_1/{query,key,value,out}
   Transformer/encoderblock_{i}/LayerNorm_2
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 
 Dtype = Any
 CLASSIFIERS = ("token", "gap")
+POSITION_EMBEDDINGS = ("learn", "sincos2d")
 
 
 class ViTInputError(ValueError):
@@ -96,12 +98,25 @@ class MultiHeadSelfAttention(nn.Module):
         kernel_init=nn.initializers.xavier_uniform(), name="out")(attended)
 
 
+def drop_path(module: nn.Module, x: jax.Array, rate: float,
+              deterministic: bool) -> jax.Array:
+  """Stochastic depth: zeroes the whole residual branch x (B, ...) of each
+  example with probability `rate`, scaling the kept ones by 1 / (1 - rate).
+  Uses the "dropout" RNG stream."""
+  if deterministic or rate == 0.0:
+    return x
+  keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rate,
+                              (x.shape[0],) + (1,) * (x.ndim - 1))
+  return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
 class Encoder1DBlock(nn.Module):
   """Pre-LN transformer block. (B, T, D) -> (B, T, D)."""
   num_heads: int
   mlp_dim: int
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
+  drop_path_rate: float = 0.0
   approximate_gelu: bool = True
   layer_norm_epsilon: float = 1e-6
   dtype: Dtype = jnp.float32
@@ -118,7 +133,7 @@ class Encoder1DBlock(nn.Module):
         dtype=self.dtype, param_dtype=self.param_dtype,
         name="MultiHeadDotProductAttention_1")(y, deterministic=deterministic)
     y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
-    x = x + y
+    x = x + drop_path(self, y, self.drop_path_rate, deterministic)
 
     y = norm("LayerNorm_2")(x)
     y = MlpBlock(
@@ -126,16 +141,23 @@ class Encoder1DBlock(nn.Module):
         approximate_gelu=self.approximate_gelu, dtype=self.dtype,
         param_dtype=self.param_dtype, name="MlpBlock_3")(
             y, deterministic=deterministic)
-    return x + y
+    return x + drop_path(self, y, self.drop_path_rate, deterministic)
 
 
 class Encoder(nn.Module):
-  """Position embeddings, dropout, `num_layers` blocks, final LayerNorm."""
+  """Position embeddings, dropout, `num_layers` blocks, final LayerNorm.
+
+  The learned position embedding is added here (official layout); with
+  learned_posemb=False the caller has added fixed ones. Block i drops its
+  residual branches with rate drop_path_rate * i / (num_layers - 1).
+  """
   num_layers: int
   num_heads: int
   mlp_dim: int
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
+  drop_path_rate: float = 0.0
+  learned_posemb: bool = True
   approximate_gelu: bool = True
   layer_norm_epsilon: float = 1e-6
   dtype: Dtype = jnp.float32
@@ -143,6 +165,26 @@ class Encoder(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
+    if self.learned_posemb:
+      x = self._add_learned_posemb(x)
+    self.sow("intermediates", "embedded", x)
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+    for layer in range(self.num_layers):
+      x = Encoder1DBlock(
+          num_heads=self.num_heads, mlp_dim=self.mlp_dim,
+          dropout_rate=self.dropout_rate,
+          attention_dropout_rate=self.attention_dropout_rate,
+          drop_path_rate=self.drop_path_rate * layer / max(
+              self.num_layers - 1, 1),
+          approximate_gelu=self.approximate_gelu,
+          layer_norm_epsilon=self.layer_norm_epsilon, dtype=self.dtype,
+          param_dtype=self.param_dtype, name=f"encoderblock_{layer}")(
+              x, deterministic=deterministic)
+      self.sow("intermediates", "block_outputs", x)
+    return nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype,
+                        param_dtype=self.param_dtype, name="encoder_norm")(x)
+
+  def _add_learned_posemb(self, x: jax.Array) -> jax.Array:
     num_tokens, hidden_size = x.shape[1:]
     if self.has_variable("params", "posembed_input"):
       expected = self.variables["params"]["posembed_input"]["pos_embedding"]
@@ -155,21 +197,7 @@ class Encoder(nn.Module):
     pos_embedding = PositionEmbedding(
         param_dtype=self.param_dtype, name="posembed_input")(num_tokens,
                                                              hidden_size)
-    x = x + pos_embedding.astype(x.dtype)
-    self.sow("intermediates", "embedded", x)
-    x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
-    for layer in range(self.num_layers):
-      x = Encoder1DBlock(
-          num_heads=self.num_heads, mlp_dim=self.mlp_dim,
-          dropout_rate=self.dropout_rate,
-          attention_dropout_rate=self.attention_dropout_rate,
-          approximate_gelu=self.approximate_gelu,
-          layer_norm_epsilon=self.layer_norm_epsilon, dtype=self.dtype,
-          param_dtype=self.param_dtype, name=f"encoderblock_{layer}")(
-              x, deterministic=deterministic)
-      self.sow("intermediates", "block_outputs", x)
-    return nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype,
-                        param_dtype=self.param_dtype, name="encoder_norm")(x)
+    return x + pos_embedding.astype(x.dtype)
 
 
 class PositionEmbedding(nn.Module):
@@ -180,6 +208,28 @@ class PositionEmbedding(nn.Module):
   def __call__(self, num_tokens: int, hidden_size: int) -> jax.Array:
     return self.param("pos_embedding", nn.initializers.normal(stddev=0.02),
                       (1, num_tokens, hidden_size), self.param_dtype)
+
+
+def sincos_2d_posemb(grid_h: int, grid_w: int, hidden_size: int,
+                     temperature: float = 10_000.0) -> jax.Array:
+  """Fixed 2-D sine-cosine position embedding, (1, grid_h * grid_w, D).
+
+  A quarter of the channels each hold sin and cos of the column and of the
+  row at geometrically spaced frequencies (as in MoCo v3 and big_vision's
+  small-data ViTs). hidden_size must be divisible by 4.
+  """
+  if hidden_size % 4:
+    raise ViTInputError(f"posemb='sincos2d' needs hidden_size divisible by "
+                        f"4, got {hidden_size}.")
+  quarter = hidden_size // 4
+  frequencies = 1.0 / temperature ** (jnp.arange(quarter) / quarter)
+  rows, cols = jnp.meshgrid(jnp.arange(grid_h), jnp.arange(grid_w),
+                            indexing="ij")
+  x = cols.reshape(-1, 1) * frequencies
+  y = rows.reshape(-1, 1) * frequencies
+  table = jnp.concatenate([jnp.sin(x), jnp.cos(x), jnp.sin(y), jnp.cos(y)],
+                          axis=1)
+  return table[None].astype(jnp.float32)
 
 
 class VisionTransformer(nn.Module):
@@ -198,6 +248,13 @@ class VisionTransformer(nn.Module):
     attention_dropout_rate: dropout on the attention probabilities.
     classifier: "token" (prepend a learnable class token and classify it) or
       "gap" (no class token; classify the mean of the patch tokens).
+    posemb: "learn" (the paper's learned 1-D embedding, one per token
+      including the class token) or "sincos2d" (fixed 2-D sine-cosine
+      embedding of the patch grid, no parameters, none on the class token;
+      helps small data).
+    drop_path_rate: stochastic depth: the residual branches of the last
+      block are dropped per example with this rate, earlier blocks linearly
+      less (0 for the first).
     representation_size: if set, a Dense + tanh "pre-logits" layer of this
       width before the head (the paper's pre-training head).
     approximate_gelu: tanh-approximate GELU, as in the official JAX code and
@@ -216,6 +273,8 @@ class VisionTransformer(nn.Module):
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
   classifier: str = "token"
+  posemb: str = "learn"
+  drop_path_rate: float = 0.0
   representation_size: Optional[int] = None
   approximate_gelu: bool = True
   layer_norm_epsilon: float = 1e-6
@@ -233,6 +292,8 @@ class VisionTransformer(nn.Module):
     batch, grid_h, grid_w, hidden = x.shape
     x = x.reshape(batch, grid_h * grid_w, hidden)  # (B, N, D)
     self.sow("intermediates", "patch_tokens", x)
+    if self.posemb == "sincos2d":
+      x = x + sincos_2d_posemb(grid_h, grid_w, hidden).astype(x.dtype)
 
     if self.classifier == "token":
       cls = self.param("cls", nn.initializers.zeros, (1, 1, hidden),
@@ -245,6 +306,8 @@ class VisionTransformer(nn.Module):
         num_layers=self.num_layers, num_heads=self.num_heads,
         mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
         attention_dropout_rate=self.attention_dropout_rate,
+        drop_path_rate=self.drop_path_rate,
+        learned_posemb=self.posemb == "learn",
         approximate_gelu=self.approximate_gelu,
         layer_norm_epsilon=self.layer_norm_epsilon, dtype=self.dtype,
         param_dtype=self.param_dtype, name="Transformer")(
@@ -269,6 +332,9 @@ class VisionTransformer(nn.Module):
     if self.classifier not in CLASSIFIERS:
       raise ViTInputError(f"Unknown classifier {self.classifier!r}; choose "
                           f"one of {CLASSIFIERS}.")
+    if self.posemb not in POSITION_EMBEDDINGS:
+      raise ViTInputError(f"Unknown posemb {self.posemb!r}; choose one of "
+                          f"{POSITION_EMBEDDINGS}.")
     if images.ndim != 4:
       raise ViTInputError(
           f"Expected images of shape (batch, height, width, channels), got "

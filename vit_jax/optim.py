@@ -1,9 +1,13 @@
-"""Learning-rate schedule and optimizer: clip -> AdamW or SGD-momentum.
+"""Learning-rate schedule and optimizer: clip -> AdamW, LAMB or SGD.
 
-Weight decay skips biases, norms and embeddings (a mask); with
+Weight decay skips biases, norms and embeddings (a mask); layer-wise
+learning-rate decay (config.layer_decay < 1) scales each block's updates by
+layer_decay ** (depth from the top), for fine-tuning; with
 config.trainable="head" every other parameter is frozen (no update, no
 optimizer state).
 """
+
+import re
 
 import ml_collections
 import optax
@@ -12,19 +16,27 @@ from flax import traverse_util
 # Parameters that get no weight decay unless config.decay_all_params: biases,
 # LayerNorm scales and the learned embeddings (class token, positions).
 _NO_DECAY_NAMES = ("bias", "scale", "pos_embedding", "cls")
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "lamb", "sgd")
 TRAINABLE = ("all", "head")
+SCHEDULES = ("cosine", "linear")
 
 
 def learning_rate_schedule(config: ml_collections.ConfigDict,
                            total_steps: int, steps_per_epoch: int
                            ) -> optax.Schedule:
-  """Linear warm-up from 0 to `learning_rate`, then cosine to the end value."""
+  """Linear warm-up from 0 to `learning_rate`, then cosine (or linear,
+  config.schedule) decay to `end_learning_rate` at the last step."""
   warmup_steps = config.warmup_steps
   if warmup_steps is None:
     warmup_steps = int(round(config.warmup_epochs * steps_per_epoch))
   # Short runs (smoke tests) keep at least one step of cosine decay.
-  warmup_steps = min(warmup_steps, total_steps - 1)
+  warmup_steps = max(min(warmup_steps, total_steps - 1), 0)
+  if config.schedule == "linear":
+    return optax.join_schedules([
+        optax.linear_schedule(0.0, config.learning_rate, warmup_steps),
+        optax.linear_schedule(config.learning_rate, config.end_learning_rate,
+                              max(total_steps - warmup_steps, 1))],
+                                [warmup_steps])
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=config.learning_rate,
       warmup_steps=max(warmup_steps, 0),
@@ -37,6 +49,35 @@ def weight_decay_mask(params):
   flat = traverse_util.flatten_dict(params)
   return traverse_util.unflatten_dict(
       {path: path[-1] not in _NO_DECAY_NAMES for path in flat})
+
+
+def layer_index(path: tuple[str, ...], num_layers: int) -> int:
+  """0 for the embeddings, i + 1 for encoder block i, num_layers + 1 for
+  the final norm and the head."""
+  if path[0] in ("embedding", "cls") or "posembed_input" in path:
+    return 0
+  block = re.fullmatch(r"encoderblock_(\d+)", path[1] if len(path) > 1
+                       else "")
+  return int(block.group(1)) + 1 if block else num_layers + 1
+
+
+def scale_by_layer(decay: float) -> optax.GradientTransformation:
+  """Multiplies the update of a parameter at layer_index i by
+  decay ** (num_layers + 1 - i): the head keeps the full learning rate,
+  each block below it a factor `decay` less (BEiT-style fine-tuning)."""
+
+  def update(updates, state, params=None):
+    del params
+    flat = traverse_util.flatten_dict(updates)
+    num_layers = len({path[1] for path in flat if len(path) > 1 and
+                      path[1].startswith("encoderblock_")})
+    scaled = {path: value * decay ** (num_layers + 1 -
+                                      layer_index(path, num_layers))
+              for path, value in flat.items()}
+    return traverse_util.unflatten_dict(scaled), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(),
+                                      update)
 
 
 def trainable_labels(params, trainable: str):
@@ -55,6 +96,10 @@ def make_optimizer(config: ml_collections.ConfigDict,
     update = optax.adamw(
         learning_rate=schedule, b1=config.adam_b1, b2=config.adam_b2,
         weight_decay=config.weight_decay, mask=mask)
+  elif config.optimizer == "lamb":
+    update = optax.lamb(
+        learning_rate=schedule, b1=config.adam_b1, b2=config.adam_b2,
+        weight_decay=config.weight_decay, mask=mask)
   elif config.optimizer == "sgd":
     update = optax.chain(
         optax.add_decayed_weights(config.weight_decay, mask),
@@ -62,6 +107,8 @@ def make_optimizer(config: ml_collections.ConfigDict,
   else:
     raise ValueError(f"config.optimizer={config.optimizer!r} is not "
                      f"supported; choose one of {OPTIMIZERS}.")
+  if config.layer_decay < 1.0:
+    update = optax.chain(update, scale_by_layer(config.layer_decay))
   if config.grad_clip_norm > 0:
     update = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm),
                          update)

@@ -131,3 +131,26 @@ def image_grid(images: np.ndarray, titles: Sequence[str], path: str,
   figure.savefig(path, dpi=100)
   plt.close(figure)
   return path
+
+
+def accuracy_vs_time(curve: Sequence[dict], path: str, title: str) -> str:
+  """Test accuracy of eval records ({"minutes", "accuracy"[,
+  "ema_accuracy"]}) against wall minutes, as a PNG at `path`."""
+  plt = _pyplot()
+  figure, axis = plt.subplots(figsize=(6, 4))
+  minutes = [r["minutes"] for r in curve]
+  axis.plot(minutes, [100 * r["accuracy"] for r in curve], "o-",
+            label="params")
+  if curve and "ema_accuracy" in curve[0]:
+    axis.plot(minutes, [100 * r["ema_accuracy"] for r in curve], "s-",
+              label="EMA of params")
+  axis.set_xlabel("wall time, minutes (data loading and compilation "
+                  "included)")
+  axis.set_ylabel("test accuracy (%)")
+  axis.set_title(title)
+  axis.grid(alpha=0.3)
+  axis.legend()
+  figure.tight_layout()
+  figure.savefig(path, dpi=120)
+  plt.close(figure)
+  return path

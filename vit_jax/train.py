@@ -9,7 +9,7 @@ around them.
 
 import functools
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -21,8 +21,8 @@ from flax.training import train_state
 from jax.experimental import multihost_utils
 
 from vit_jax import (augment, checkpoints, datasets, input_pipeline,
-                     metric_writer, optim, preemption, pretrained, sharding,
-                     tools, validation, variants)
+                     metric_writer, mixing, optim, preemption, pretrained,
+                     sharding, tools, validation, variants)
 
 
 _MAX_STEPS_IN_FLIGHT = 2
@@ -35,16 +35,19 @@ class TrainState(train_state.TrainState):
   only and a resumed run draws exactly what an uninterrupted one would.
   """
   rng: jax.Array
+  ema_params: Any = None  # moving average of params, if enabled
 
 
 def create_train_state(model: nn.Module, image_shape: tuple[int, int, int],
                        optimizer: optax.GradientTransformation, seed: int,
-                       mesh: jax.sharding.Mesh, fsdp_min_size: int = 1024
-                       ) -> TrainState:
+                       mesh: jax.sharding.Mesh, fsdp_min_size: int = 1024,
+                       ema: bool = False) -> TrainState:
   """Initialises parameters and optimizer state directly in place on `mesh`.
 
   Each device computes only its own slice (jit with out_shardings), so a
   model split by FSDP never exists whole on one device, not even at init.
+  With `ema`, the state also holds a moving average of the params, started
+  at the initial params.
   """
 
   def init(key):
@@ -52,7 +55,8 @@ def create_train_state(model: nn.Module, image_shape: tuple[int, int, int],
     dummy = jnp.zeros((1,) + tuple(image_shape), jnp.float32)
     params = model.init({"params": params_key}, dummy, train=False)["params"]
     return TrainState.create(apply_fn=model.apply, params=params,
-                             tx=optimizer, rng=state_key)
+                             tx=optimizer, rng=state_key,
+                             ema_params=params if ema else None)
 
   key = jax.random.PRNGKey(seed)
   shardings = sharding.state_shardings(mesh, jax.eval_shape(init, key),
@@ -77,11 +81,17 @@ def cross_entropy(logits: jax.Array, labels: jax.Array,
 def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
                preprocess: Callable[[jax.Array, jax.Array], jax.Array],
                label_smoothing: float, learning_rate_fn: optax.Schedule,
-               accum_steps: int = 1, skip_nonfinite: bool = False
+               accum_steps: int = 1, skip_nonfinite: bool = False,
+               mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
+               ema_decay: float = 0.0
                ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step on a uint8 batch (B, H, W, C) with int labels (B,).
 
-  `preprocess(images, key)` augments and normalises on device. With
+  `preprocess(images, key)` augments and normalises on device; the targets
+  are the smoothed one-hot labels, mixed with the images by Mixup/CutMix
+  when an alpha is > 0 (accuracy is still against the original labels).
+  With ema_decay > 0, state.ema_params follows the params with decay
+  min(ema_decay, (1 + step) / (10 + step)). With
   accum_steps > 1 the batch is processed as that many micro-batches (a scan:
   one micro-batch's activations live at a time) whose mean gradient makes
   the single update, equal to the whole batch's gradient. With
@@ -90,14 +100,22 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
   """
   step_key = jax.random.fold_in(state.rng, state.step)
 
+  num_classes = state.params["head"]["bias"].shape[-1]
+
   def gradients(images, labels, key):
-    augment_key, dropout_key = jax.random.split(key)
+    augment_key, mix_key, dropout_key = jax.random.split(key, 3)
     inputs = preprocess(images, augment_key)
+    targets = jax.nn.one_hot(labels, num_classes)
+    if label_smoothing:
+      targets = optax.smooth_labels(targets, label_smoothing)
+    inputs, targets = mixing.mix_batch(inputs, targets, mix_key,
+                                       mixup_alpha=mixup_alpha,
+                                       cutmix_alpha=cutmix_alpha)
 
     def loss_fn(params):
       logits = state.apply_fn({"params": params}, inputs, train=True,
                               rngs={"dropout": dropout_key})
-      return cross_entropy(logits, labels, label_smoothing).mean(), logits
+      return optax.softmax_cross_entropy(logits, targets).mean(), logits
 
     (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         state.params)
@@ -130,6 +148,12 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
       "grad_norm": grad_norm,
   }
   new_state = state.apply_gradients(grads=grads)
+  if ema_decay:
+    step = state.step.astype(jnp.float32)
+    decay = jnp.minimum(ema_decay, (1.0 + step) / (10.0 + step))
+    new_state = new_state.replace(ema_params=jax.tree.map(
+        lambda average, new: decay * average + (1.0 - decay) * new,
+        state.ema_params, new_state.params))
   if skip_nonfinite:
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
@@ -168,11 +192,17 @@ def compile_steps(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
               crop_padding=config.crop_padding, flip=flip,
               image_size=config.image_size,
               resized_crop=config.random_resized_crop,
-              min_crop_area=config.min_crop_area),
+              min_crop_area=config.min_crop_area,
+              auto_augment=config.auto_augment,
+              randaugment_num_ops=config.randaugment_num_ops,
+              randaugment_magnitude=config.randaugment_magnitude,
+              erase_probability=config.random_erasing),
           label_smoothing=config.label_smoothing,
           learning_rate_fn=learning_rate_fn,
           accum_steps=config.accum_steps,
-          skip_nonfinite=config.skip_nonfinite_steps),
+          skip_nonfinite=config.skip_nonfinite_steps,
+          mixup_alpha=config.mixup_alpha, cutmix_alpha=config.cutmix_alpha,
+          ema_decay=config.ema_decay),
       in_shardings=(state_sharding, batch, batch),
       out_shardings=(state_sharding, replicated),
       donate_argnums=0)
@@ -283,7 +313,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                                   steps_per_epoch)
   optimizer = optim.make_optimizer(config, learning_rate_fn)
   state = create_train_state(model, (height, width, channels), optimizer,
-                             config.seed, mesh, config.fsdp_min_size)
+                             config.seed, mesh, config.fsdp_min_size,
+                             ema=config.ema_decay > 0)
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
   log(f"Model: {config.model.name}, {num_params:,} parameters; "
       f"{mesh.size} device(s) ({jax.devices()[0].platform}) in "
@@ -362,6 +393,15 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         np.int32(stop.received or 0))
     return int(received.max()) or None
 
+  def evaluate_all(state):
+    """Test metrics of the params, and of their moving average as ema_*."""
+    metrics = evaluate(eval_fn, state, dataset, config.eval_batch_size, mesh)
+    if state.ema_params is not None:
+      ema = evaluate(eval_fn, state.replace(params=state.ema_params), dataset,
+                     config.eval_batch_size, mesh)
+      metrics.update(ema_loss=ema["loss"], ema_accuracy=ema["accuracy"])
+    return metrics
+
   best_accuracy = checkpoints.best_accuracy(workdir)  # read before any write
   try:
     for step in range(start_step, total_steps):
@@ -390,8 +430,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         jax.block_until_ready(state)
         pause_start = time.perf_counter()  # not counted as training time
         if evaluate_now:
-          eval_metrics = evaluate(eval_fn, state, dataset,
-                                  config.eval_batch_size, mesh)
+          eval_metrics = evaluate_all(state)
           eval_metrics["epoch"] = done / steps_per_epoch
           writer.write(done, "eval", eval_metrics)
           if config.keep_best and eval_metrics["accuracy"] > best_accuracy:
@@ -408,8 +447,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         manager.wait_until_finished()
         raise preemption.Preempted(stop_signal, done, manager.directory)
     if not eval_metrics:  # nothing left to train: report the restored state
-      eval_metrics = evaluate(eval_fn, state, dataset, config.eval_batch_size,
-                              mesh)
+      eval_metrics = evaluate_all(state)
   finally:
     # Let a save in flight finish even when training stops with an error,
     # so the last good checkpoint is complete on disk.

@@ -59,6 +59,27 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _check_choice(config, "trainable", optim.TRAINABLE)
   _check_choice(config, "normalization", augment.NORMALIZATIONS)
   _check_choice(config, "posemb_resize", pretrained.RESIZE_METHODS)
+  _check_choice(config, "schedule", optim.SCHEDULES)
+  _check_choice(config, "auto_augment", augment.AUTO_AUGMENTS)
+  if config.model.posemb not in models.POSITION_EMBEDDINGS:
+    raise ValueError(
+        f"config.model.posemb={config.model.posemb!r} is not supported; "
+        f"choose one of {models.POSITION_EMBEDDINGS}.")
+  for key in ("random_erasing", "ema_decay", "model.drop_path_rate"):
+    value = config.model.drop_path_rate if key.startswith("model.") else (
+        config[key])
+    if not 0.0 <= value < 1.0:
+      raise ValueError(f"config.{key}={value} must be in [0, 1).")
+  for key in ("mixup_alpha", "cutmix_alpha"):
+    if config[key] < 0:
+      raise ValueError(f"config.{key}={config[key]} must be >= 0 (0 "
+                       "disables it).")
+  if not 0.0 < config.layer_decay <= 1.0:
+    raise ValueError(f"config.layer_decay={config.layer_decay} must be in "
+                     "(0, 1]; 1 disables it.")
+  if not 0.0 <= config.randaugment_magnitude <= 10.0:
+    raise ValueError(f"config.randaugment_magnitude="
+                     f"{config.randaugment_magnitude} must be in [0, 10].")
   if config.accum_steps < 1 or config.batch_size % config.accum_steps:
     raise ValueError(
         f"config.accum_steps={config.accum_steps} must be >= 1 and divide "

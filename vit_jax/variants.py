@@ -64,6 +64,8 @@ def get_variant(name: str) -> ml_collections.ConfigDict:
       dropout_rate=0.0,
       attention_dropout_rate=0.0,
       classifier="token",
+      posemb="learn",
+      drop_path_rate=0.0,
       representation_size=ml_collections.config_dict.placeholder(int),
       approximate_gelu=True,
       layer_norm_epsilon=1e-6,
