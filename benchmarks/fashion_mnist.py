@@ -60,7 +60,8 @@ def main(argv):
           f"{record['accuracy']:.4f} | "
           f"{'-' if ema is None else f'{ema:.4f}'} |")
   path = _PLOT.value or os.path.join(workdir, "fashion_mnist_curve.png")
-  name = os.path.basename(flags.FLAGS["config"].value)
+  name = os.path.basename(
+      config_flags.get_config_filename(flags.FLAGS["config"]))
   plots.accuracy_vs_time(curve, path, name)
   print(f"Curve: {path}")
   accuracy = final.get("ema_accuracy", final["accuracy"])

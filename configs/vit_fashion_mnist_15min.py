@@ -9,7 +9,12 @@ both cheap and kinder to small data. At this length the budget buys few
 epochs, so the recipe regularises lightly (flip, label smoothing) and reads
 out an exponential moving average of the params.
 
-Measured result: see the README's recipe table (filled by the command above).
+Measured here (2-core CPU, quiet, 1 device, ~170-225 images/s): with
+num_epochs=3 the test accuracy after epochs 1/2/3 was 79.4/83.5/86.2%
+(EMA params: 81.4/84.9/86.3%) at 6.0/12.1/18.7 wall minutes, data loading
+and compilation included. 3 epochs overrun 15 minutes, so this config runs
+2 (its cosine schedule then ends at epoch 2; expect about 85-86%). That
+falls short of the 92% target of the recipe issue; see the README.
 """
 
 from vit_jax import configs
@@ -24,7 +29,7 @@ def get_config():
   config.model.mlp_dim = 384
   config.model.classifier = "gap"
   config.model.posemb = "sincos2d"
-  config.num_epochs = 4
+  config.num_epochs = 2  # 3 epochs took 18.7 min here (see docstring)
   config.batch_size = 128
   config.learning_rate = 2e-3
   config.warmup_epochs = 0.25

@@ -16,9 +16,12 @@ def _images(batch=4, size=20, channels=3, seed=0):
   return rng.integers(0, 256, (batch, size, size, channels)).astype(np.uint8)
 
 
+_apply_ops = jax.jit(randaugment.apply_ops)  # one compile per image shape
+
+
 def _apply(images, op, magnitude, sign=1.0):
   batch = len(images)
-  return np.asarray(randaugment.apply_ops(
+  return np.asarray(_apply_ops(
       jnp.asarray(images, jnp.float32), jnp.full((batch,), OPS.index(op)),
       jnp.full((batch,), magnitude), jnp.full((batch,), sign)))
 

@@ -90,7 +90,7 @@ def test_linear_probe_trains_only_the_head():
 
 def test_unknown_choices_are_rejected_before_data(tmp_path):
   for key, value, message in (
-      ("optimizer", "adam", "choose one of \\('adamw', 'sgd'\\)"),
+      ("optimizer", "adam", "choose one of \\('adamw', 'lamb', 'sgd'\\)"),
       ("trainable", "body", "'all', 'head'"),
       ("normalization", "zscore", "'inception'"),
       ("accum_steps", 5, "divide config.batch_size=32"),

@@ -109,6 +109,7 @@ def test_linear_schedule():
   assert float(schedule(110)) == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_ema_follows_the_formula_and_is_evaluated(tmp_path):
   config = small_config(ema_decay=0.9, num_train_steps=6, log_every_steps=3,
                         checkpoint_every_steps=3, num_epochs=1)
@@ -141,6 +142,7 @@ def test_ema_follows_the_formula_and_is_evaluated(tmp_path):
   assert 0.0 <= metrics["ema_accuracy"] <= 1.0 and "ema_loss" in metrics
 
 
+@pytest.mark.slow
 def test_trainer_runs_with_every_recipe_component(tmp_path):
   config = small_config(
       auto_augment="trivialaugment", random_erasing=0.25, mixup_alpha=0.8,

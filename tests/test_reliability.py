@@ -114,6 +114,7 @@ def test_unwritable_workdir_is_reported_before_training(tmp_path):
     train.train_and_evaluate(small_config(), str(blocker / "run"))
 
 
+@pytest.mark.slow
 def test_keep_best_saves_the_params_of_the_best_evaluation(tmp_path):
   workdir = str(tmp_path)
   # 64 examples / batch 16 = 4 steps an epoch; evaluate and save each epoch.
@@ -165,6 +166,7 @@ def test_library_never_unpickles_or_shells_out():
         assert getattr(node.value, "value", None) is True, name
 
 
+@pytest.mark.slow
 def test_resume_with_another_model_names_the_checkpoint(tmp_path):
   train.train_and_evaluate(small_config(num_train_steps=2), str(tmp_path))
   wider = small_config(num_train_steps=4)
@@ -177,6 +179,7 @@ def test_resume_with_another_model_names_the_checkpoint(tmp_path):
     train.train_and_evaluate(wider, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_damaged_checkpoint_names_the_file(tmp_path):
   train.train_and_evaluate(small_config(num_train_steps=2), str(tmp_path))
   step_dir = tmp_path / "checkpoints" / "2"
@@ -188,6 +191,7 @@ def test_damaged_checkpoint_names_the_file(tmp_path):
     train.train_and_evaluate(small_config(num_train_steps=4), str(tmp_path))
 
 
+@pytest.mark.slow
 def test_failed_checkpoint_write_keeps_the_last_good_one(tmp_path,
                                                          monkeypatch):
   config = small_config(num_train_steps=4, checkpoint_every_steps=2)

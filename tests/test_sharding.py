@@ -123,6 +123,7 @@ MESHES = {"1 device": ({"data": 1, "fsdp": 1}, 1),
           "fsdp=8": ({"data": 1, "fsdp": 8}, 8)}
 
 
+@pytest.mark.slow
 def test_data_parallel_and_fsdp_train_like_one_device():
   assert jax.device_count() == 8, "conftest sets 8 simulated CPU devices"
   results = {}
@@ -152,6 +153,7 @@ def test_data_parallel_and_fsdp_train_like_one_device():
                                 atol=1e-5)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_composes_with_fsdp():
   """accum_steps=4 on data=2 x fsdp=4 == the whole batch on one device."""
   results = []
@@ -169,6 +171,7 @@ def test_gradient_accumulation_composes_with_fsdp():
   chex.assert_trees_all_close(results[1][1], results[0][1], atol=2e-6)
 
 
+@pytest.mark.slow
 def test_checkpoint_restores_onto_another_mesh(tmp_path):
   """Written with FSDP on 8 devices; restored on 1 device and on 4
   data-parallel devices: identical arrays, then identical training."""
