@@ -69,13 +69,20 @@ def shardings_of(tree):
   return jax.tree.map(lambda x: x.sharding, tree)
 
 
+def soft_targets(labels: jax.Array, num_classes: int,
+                 label_smoothing: float = 0.0) -> jax.Array:
+  """int labels (B,) -> one-hot (B, K), smoothed if label_smoothing > 0."""
+  targets = jax.nn.one_hot(labels, num_classes)
+  if label_smoothing:
+    targets = optax.smooth_labels(targets, label_smoothing)
+  return targets
+
+
 def cross_entropy(logits: jax.Array, labels: jax.Array,
                   label_smoothing: float = 0.0) -> jax.Array:
   """Per-example softmax cross-entropy. logits (B, K), int labels (B,)."""
-  targets = jax.nn.one_hot(labels, logits.shape[-1])
-  if label_smoothing:
-    targets = optax.smooth_labels(targets, label_smoothing)
-  return optax.softmax_cross_entropy(logits, targets)
+  return optax.softmax_cross_entropy(
+      logits, soft_targets(labels, logits.shape[-1], label_smoothing))
 
 
 def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
@@ -105,9 +112,7 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
   def gradients(images, labels, key):
     augment_key, mix_key, dropout_key = jax.random.split(key, 3)
     inputs = preprocess(images, augment_key)
-    targets = jax.nn.one_hot(labels, num_classes)
-    if label_smoothing:
-      targets = optax.smooth_labels(targets, label_smoothing)
+    targets = soft_targets(labels, num_classes, label_smoothing)
     inputs, targets = mixing.mix_batch(inputs, targets, mix_key,
                                        mixup_alpha=mixup_alpha,
                                        cutmix_alpha=cutmix_alpha)
