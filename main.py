@@ -28,12 +28,17 @@ WORKDIR/figures unless --output_dir is given):
 import os
 import sys
 
+if __name__ == "__main__":
+  # Before JAX starts: restarts once with huge pages (vit_jax/host.py).
+  from vit_jax import host
+  host.reexec_with_huge_pages()
+
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from vit_jax import (checkpoints, datasets, models, multihost, preemption,
-                     tools, train, validation)
+from vit_jax import (checkpoints, datasets, host, models, multihost,
+                     preemption, tools, train, validation)
 
 # Errors whose message already says what went wrong and how to fix it: shown
 # as they are, without a traceback.
@@ -115,6 +120,7 @@ def main(argv):
       "runs", os.path.splitext(os.path.basename(config_path))[0])
   # Orbax logs every save at INFO; keep the console to our progress lines.
   logging.set_verbosity(logging.WARNING)
+  host.enable_compilation_cache()
   try:
     multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value,
                          _PROCESS_ID.value, auto=_MULTIHOST.value)

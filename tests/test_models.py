@@ -18,7 +18,8 @@ def _tiny(**overrides):
 
 
 def _init(model, shape, seed=0):
-  return model.init(jax.random.PRNGKey(seed), jnp.zeros(shape))
+  # jit: one compilation instead of dispatching each op of init eagerly.
+  return jax.jit(model.init)(jax.random.PRNGKey(seed), jnp.zeros(shape))
 
 
 # ------------------------------------------------------------------ shapes
@@ -28,7 +29,7 @@ def test_output_shape_and_dtype(classifier, image_shape):
   model = _tiny(classifier=classifier)
   variables = _init(model, (1,) + image_shape)
   images = jax.random.normal(jax.random.PRNGKey(1), (3,) + image_shape)
-  logits = model.apply(variables, images)
+  logits = jax.jit(model.apply)(variables, images)
   chex.assert_shape(logits, (3, 5))
   chex.assert_type(logits, jnp.float32)
   chex.assert_tree_all_finite(logits)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import chex
+import numpy as np
 import pytest
 
 from vit_jax import metric_writer, multihost, pretrained
@@ -54,6 +55,24 @@ def _losses(workdir):
           if r["split"] == "train"]
 
 
+def _assert_same_params(workdir_a, workdir_b):
+  """Params equal up to reduction order (atol 1e-5), except the attention
+  key biases: their true gradient is zero (a bias on every key shifts all
+  of a query's logits alike, which softmax ignores), so their values are
+  rounding noise scaled up by Adam and differ between summation orders;
+  for them the invariant is that they stay at that noise level."""
+  params_a, params_b = (pretrained.load_params(w, 2)[0]
+                        for w in (workdir_a, workdir_b))
+  for params in (params_a, params_b):
+    for name, block in params["Transformer"].items():
+      if name.startswith("encoderblock_"):
+        key = block["MultiHeadDotProductAttention_1"].pop("key")
+        largest = np.abs(key.pop("bias")).max()
+        assert largest < 1e-3, (name, largest)
+        block["MultiHeadDotProductAttention_1"]["key"] = key
+  chex.assert_trees_all_close(params_a, params_b, atol=1e-5)
+
+
 def test_initialize_needs_the_whole_address_of_the_run(monkeypatch):
   for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
                "JAX_PROCESS_ID"):
@@ -90,9 +109,7 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_in_one(
   chex.assert_trees_all_close(_losses(pair), _losses(single), rtol=1e-5)
   # Same global batches in the same order: the same parameters, up to the
   # order of the cross-process reductions.
-  chex.assert_trees_all_close(pretrained.load_params(pair, 2)[0],
-                              pretrained.load_params(single, 2)[0],
-                              atol=1e-5)
+  _assert_same_params(pair, single)
 
   # The pair's checkpoint (params, Adam state, step, key) resumes in one
   # process on one device and continues exactly like the single run.
@@ -103,6 +120,4 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_in_one(
   out = _finish([_start([*one_device, f"--workdir={resumed}"], devices=1),
                  _start([*one_device, f"--workdir={single}"], devices=1)])
   assert all("Resumed from the checkpoint of step 6" in o for o in out)
-  chex.assert_trees_all_close(pretrained.load_params(resumed, 2)[0],
-                              pretrained.load_params(single, 2)[0],
-                              atol=1e-5)
+  _assert_same_params(resumed, single)

@@ -1,0 +1,321 @@
+r"""Training and inference speed of vit_jax against timm and torchvision.
+
+  pip install -e '.[bench]'
+  python benchmarks/throughput.py            # ~11 minutes on 2 cores
+  python benchmarks/throughput.py --growth   # + cost growth, ~15 minutes
+
+Two models with identical dims in every library, float32 on CPU:
+  vit_tiny_cifar   32x32x3, patch 4, width 192, 12 layers, 3 heads, MLP 768
+  ViT-Ti/16 @224   224x224x3, patch 16, same width/depth/heads/MLP
+Train step = forward + backward + AdamW update (batch 128 / 32); inference =
+forward (batch 256 / 64). Every measurement runs in a fresh process
+(`--worker`), so compile caches, allocator state and threads start alike.
+Round 1 runs every implementation; round 2 runs vit_jax and the fastest
+PyTorch variant of each workload again, in the other order, and those two are
+compared by the mean of their two rounds (the machine's noise is +-10%).
+
+All workers run with the same environment, GLIBC_TUNABLES=glibc.malloc.hugetlb=1
+(transparent huge pages for large allocations, which main.py sets for
+itself; it speeds PyTorch up too, so the comparison is against the faster
+PyTorch), unless --no-huge_pages.
+
+Prints one table (images/s, achieved GFLOP/s from XLA's FLOP count of the
+same model, % of the PyTorch GEMM rate measured in the same run, compile time,
+peak RSS), with --growth the cost growth of vit_jax with image size and
+depth, and ends with
+  summary: train_vs_timm=… infer_vs_timm=… train_gemm_fraction=… compile_s=…
+where *_vs_timm is the worst ratio over the two models of vit_jax to the
+fastest PyTorch variant, train_gemm_fraction the worst training GFLOP/s as a
+fraction of the GEMM rate, compile_s the slower train-step compile.
+torch.compile's first run on a machine compiles cold (about a minute per
+model); later runs hit its on-disk cache.
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+MODELS = {
+    # name: (image size, patch size, train batch, inference batch)
+    "vit_tiny_cifar": (32, 4, 128, 256),
+    "ViT-Ti/16@224": (224, 16, 32, 64),
+}
+DIMS = dict(hidden_size=192, num_layers=12, num_heads=3, mlp_dim=768)
+TORCH_IMPLS = ("timm", "timm+compile", "torchvision", "torchvision+compile")
+NUM_CLASSES = 10
+
+
+def _time_steps(run, steps: int) -> float:
+  """Median seconds of `steps` calls of run() after one warm-up call."""
+  run()
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    run()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def _peak_rss_mib() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def jax_worker(model_name: str, mode: str, steps: int, image_size=None,
+               patch_size=None, batch=None, num_layers=None) -> dict:
+  """vit_jax's real train_step (or apply) on random data; returns metrics."""
+  import functools
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from vit_jax import models, sharding, train
+
+  size, patch, train_batch, infer_batch = MODELS.get(model_name, (0, 0, 0, 0))
+  size, patch = image_size or size, patch_size or patch
+  batch = batch or (train_batch if mode == "train" else infer_batch)
+  dims = dict(DIMS, num_layers=num_layers or DIMS["num_layers"])
+  model = models.VisionTransformer(num_classes=NUM_CLASSES, patch_size=patch,
+                                   **dims)
+  rng = np.random.default_rng(0)
+  images = jnp.asarray(rng.integers(0, 256, (batch, size, size, 3), np.uint8))
+  labels = jnp.asarray(rng.integers(0, NUM_CLASSES, batch, np.int32))
+  state = train.create_train_state(model, (size, size, 3),
+                                   optax.adamw(1e-3, weight_decay=0.05), 0,
+                                   sharding.make_mesh())
+
+  def preprocess(images, key):
+    del key
+    return (images.astype(jnp.float32) - 127.5) / 64.0
+
+  start = time.perf_counter()
+  if mode == "train":
+    step = jax.jit(functools.partial(
+        train.train_step, preprocess=preprocess, label_smoothing=0.0,
+        learning_rate_fn=lambda step: 1e-3), donate_argnums=0)
+    compiled = step.lower(state, images, labels).compile()
+  else:
+    step = jax.jit(lambda params, images: model.apply(
+        {"params": params}, preprocess(images, None)))
+    compiled = step.lower(state.params, images).compile()
+  compile_s = time.perf_counter() - start
+  memory = compiled.memory_analysis()
+  flops = (compiled.cost_analysis() or {}).get("flops", float("nan"))
+
+  if mode == "train":
+    def run():
+      nonlocal state
+      state, metrics = compiled(state, images, labels)
+      jax.block_until_ready(metrics)
+  else:
+    run = lambda: jax.block_until_ready(compiled(state.params, images))
+  seconds = _time_steps(run, steps)
+  return {"images_per_s": batch / seconds, "flops_per_image": flops / batch,
+          "compile_s": compile_s, "peak_rss_mib": _peak_rss_mib(),
+          "xla_temp_mib": memory.temp_size_in_bytes / 2**20 if memory else 0,
+          "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
+def torch_worker(impl: str, model_name: str, mode: str, steps: int) -> dict:
+  """timm's or torchvision's ViT with the same dims, eager or compiled."""
+  import torch
+  size, patch, train_batch, infer_batch = MODELS[model_name]
+  batch = train_batch if mode == "train" else infer_batch
+  if impl.startswith("timm"):
+    import timm
+    model = timm.models.vision_transformer.VisionTransformer(
+        img_size=size, patch_size=patch, num_classes=NUM_CLASSES,
+        embed_dim=DIMS["hidden_size"], depth=DIMS["num_layers"],
+        num_heads=DIMS["num_heads"], mlp_ratio=DIMS["mlp_dim"] /
+        DIMS["hidden_size"])
+  else:
+    import torchvision
+    model = torchvision.models.VisionTransformer(
+        image_size=size, patch_size=patch, num_layers=DIMS["num_layers"],
+        num_heads=DIMS["num_heads"], hidden_dim=DIMS["hidden_size"],
+        mlp_dim=DIMS["mlp_dim"], num_classes=NUM_CLASSES)
+  images = torch.rand(batch, 3, size, size)
+  labels = torch.randint(0, NUM_CLASSES, (batch,))
+  forward = torch.compile(model) if impl.endswith("+compile") else model
+  optimizer = torch.optim.AdamW(model.parameters(), 1e-3, weight_decay=0.05)
+
+  def run():
+    if mode == "train":
+      optimizer.zero_grad(set_to_none=True)
+      loss = torch.nn.functional.cross_entropy(forward(images), labels)
+      loss.backward()
+      optimizer.step()
+    else:
+      with torch.inference_mode():
+        forward(images)
+
+  if mode != "train":
+    model.eval()
+  start = time.perf_counter()
+  run()  # eager warm-up, or torch.compile's compilation
+  first = time.perf_counter() - start
+  seconds = _time_steps(run, steps)
+  return {"images_per_s": batch / seconds, "compile_s": first - seconds,
+          "peak_rss_mib": _peak_rss_mib()}
+
+
+def gemm_worker(library: str) -> dict:
+  """fp32 GEMM rate: 2048^3 and the MLP's (8320x192)@(192x768) shape."""
+  rates = {}
+  for m, k, n in ((2048, 2048, 2048), (8320, 192, 768)):
+    a = np.random.rand(m, k).astype(np.float32)
+    b = np.random.rand(k, n).astype(np.float32)
+    if library == "jax":
+      import jax
+      a, b = jax.device_put(a), jax.device_put(b)
+      matmul = jax.jit(lambda x, y: x @ y)
+      run = lambda: matmul(a, b).block_until_ready()
+    else:
+      import torch
+      a, b = torch.from_numpy(a), torch.from_numpy(b)
+      run = lambda: a @ b
+    run()
+    best = min(_time_steps(run, 1) for _ in range(20))  # peak: least noise
+    rates[f"{m}x{k}x{n}"] = 2 * m * k * n / best / 1e9
+  return rates
+
+
+def spawn(args: list[str], env: dict) -> dict:
+  """Runs this script as a worker in a fresh process; returns its JSON."""
+  out = subprocess.run([sys.executable, __file__, "--worker", *args], env=env,
+                       capture_output=True, text=True, check=False)
+  lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+  if out.returncode or not lines:
+    raise RuntimeError(f"worker {args} failed:\n{out.stderr[-3000:]}")
+  return json.loads(lines[-1])
+
+
+def machine_load() -> str:
+  with open("/proc/loadavg") as f:
+    return " ".join(f.read().split()[:3])
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--impl", default="vit_jax")
+  parser.add_argument("--model", default="vit_tiny_cifar")
+  parser.add_argument("--mode", default="train")
+  parser.add_argument("--steps", type=int, default=2)
+  parser.add_argument("--image_size", type=int)
+  parser.add_argument("--patch_size", type=int)
+  parser.add_argument("--batch", type=int)
+  parser.add_argument("--num_layers", type=int)
+  parser.add_argument("--no-huge_pages", dest="huge_pages",
+                      action="store_false")
+  parser.add_argument("--growth", action="store_true",
+                      help="also the cost-growth table (~4 more minutes)")
+  args = parser.parse_args()
+
+  if args.worker:
+    if args.impl.startswith("gemm-"):
+      result = gemm_worker(args.impl[5:])
+    elif args.impl == "vit_jax":
+      result = jax_worker(args.model, args.mode, args.steps, args.image_size,
+                          args.patch_size, args.batch, args.num_layers)
+    else:
+      result = torch_worker(args.impl, args.model, args.mode, args.steps)
+    print(json.dumps(result))
+    return
+
+  env = dict(os.environ)
+  if args.huge_pages:
+    env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+  started = time.perf_counter()
+  loads = [machine_load()]
+  gemm = {lib: spawn([f"--impl=gemm-{lib}"], env) for lib in ("torch", "jax")}
+
+  workloads = [(m, mode) for m in MODELS for mode in ("train", "infer")]
+  results = {}  # (model, mode, impl) -> list of results
+  for model, mode in workloads:  # round 1: everyone
+    for impl in ("vit_jax",) + TORCH_IMPLS:
+      results.setdefault((model, mode, impl), []).append(
+          spawn([f"--impl={impl}", f"--model={model}", f"--mode={mode}"], env))
+  loads.append(machine_load())
+  fastest = {}
+  for model, mode in workloads:  # round 2: vit_jax vs the fastest PyTorch
+    fastest[model, mode] = max(
+        TORCH_IMPLS,
+        key=lambda impl: results[model, mode, impl][0]["images_per_s"])
+    for impl in (fastest[model, mode], "vit_jax"):
+      results[model, mode, impl].append(
+          spawn([f"--impl={impl}", f"--model={model}", f"--mode={mode}"], env))
+  loads.append(machine_load())
+  for lib in gemm:  # again at the end; the best of the two counts
+    again = spawn([f"--impl=gemm-{lib}"], env)
+    gemm[lib] = {shape: max(value, again[shape])
+                 for shape, value in gemm[lib].items()}
+  gemm_rate = gemm["torch"]["2048x2048x2048"]
+
+  rate = lambda key: statistics.mean(r["images_per_s"] for r in results[key])
+  print(f"\nCommand: python benchmarks/throughput.py"
+        f"{'' if args.huge_pages else ' --no-huge_pages'}"
+        f"{' --growth' if args.growth else ''}")
+  print(f"GEMM fp32 GFLOP/s, best of 2x20 (2048^3 | 8320x192x768): torch "
+        f"{gemm['torch']['2048x2048x2048']:.0f} | "
+        f"{gemm['torch']['8320x192x768']:.0f}, jax "
+        f"{gemm['jax']['2048x2048x2048']:.0f} | "
+        f"{gemm['jax']['8320x192x768']:.0f}")
+  print(f"vit_jax's XLA flags (vit_jax/host.py): "
+        f"{results[workloads[0] + ('vit_jax',)][0]['xla_flags']}")
+  print(f"load average (1/5/15 min) at start / after round 1 / end: "
+        f"{' ; '.join(loads)}\n")
+  header = ("| workload | impl | images/s | GFLOP/s | % GEMM | vs fastest "
+            "PyTorch | compile s | peak RSS MiB |")
+  print(header)
+  print("|" + "---|" * (header.count("|") - 1))
+  ratios, gemm_fractions, compile_s = {"train": [], "infer": []}, [], []
+  for model, mode in workloads:
+    flops = results[model, mode, "vit_jax"][0]["flops_per_image"]
+    reference = max(rate((model, mode, impl)) for impl in TORCH_IMPLS)
+    for impl in ("vit_jax",) + TORCH_IMPLS:
+      key = (model, mode, impl)
+      gflops = rate(key) * flops / 1e9
+      runs = len(results[key])
+      print(f"| {model} {mode} | {impl}{'' if runs == 1 else f' ({runs} rounds)'}"
+            f" | {rate(key):.1f} | {gflops:.0f} | {100 * gflops / gemm_rate:.0f}"
+            f" | {rate(key) / reference:.2f} | "
+            f"{statistics.mean(r['compile_s'] for r in results[key]):.1f} | "
+            f"{max(r['peak_rss_mib'] for r in results[key]):.0f} |")
+    ratios[mode].append(rate((model, mode, "vit_jax")) / reference)
+    if mode == "train":
+      gemm_fractions.append(rate((model, mode, "vit_jax")) * flops / 1e9
+                            / gemm_rate)
+      compile_s.append(max(r["compile_s"]
+                           for r in results[model, mode, "vit_jax"]))
+
+  if args.growth:
+    print("\nvit_jax cost growth (train step, batch 2 at each image size / "
+          "batch 32 at each depth; XLA temp = the step's scratch memory):")
+    print("| setting | tokens | images/s | GFLOP/image | XLA temp MiB | peak "
+          "RSS MiB |")
+    print("|---|---|---|---|---|---|")
+    settings = [(f"{size} px, 12 layers", size, 2, 12)
+                for size in (32, 64, 128, 224)]
+    settings += [(f"32 px, {depth} layers", 32, 32, depth) for depth in (6, 24)]
+    for label, size, batch, depth in settings:
+      r = spawn(["--impl=vit_jax", "--mode=train", "--steps=1",
+                 f"--image_size={size}", "--patch_size=4", f"--batch={batch}",
+                 f"--num_layers={depth}"], env)
+      print(f"| {label} | {(size // 4) ** 2 + 1} | {r['images_per_s']:.1f} | "
+            f"{r['flops_per_image'] / 1e9:.2f} | {r['xla_temp_mib']:.0f} | "
+            f"{r['peak_rss_mib']:.0f} |")
+  print(f"\nwall time {(time.perf_counter() - started) / 60:.1f} min")
+  print(f"summary: train_vs_timm={min(ratios['train']):.2f} "
+        f"infer_vs_timm={min(ratios['infer']):.2f} "
+        f"train_gemm_fraction={min(gemm_fractions):.2f} "
+        f"compile_s={max(compile_s):.1f}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,88 @@
+"""Process settings for speed (vit_jax/host.py) and compile-once training."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import jax
+
+from helpers import small_config
+from vit_jax import host, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Prints what the process sees before and after host.reexec_with_huge_pages.
+_PROBE = """
+import os, sys
+print("start", os.getpid(), os.environ.get("GLIBC_TUNABLES"), flush=True)
+from vit_jax import host
+host.reexec_with_huge_pages()
+print("after", os.getpid(), os.environ.get("GLIBC_TUNABLES"), sys.argv[1:],
+      "jax" in sys.modules, flush=True)
+"""
+
+
+def _probe(env_changes: dict) -> list[list[str]]:
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("GLIBC_TUNABLES", host.NO_REEXEC_VARIABLE)}
+  env.update(env_changes)
+  env["PYTHONPATH"] = ROOT
+  out = subprocess.run([sys.executable, "-u", "-c", _PROBE, "a", "--b=1"],
+                       env=env, capture_output=True, text=True, check=True)
+  return [line.split(" ", 2) for line in out.stdout.splitlines()]
+
+
+def test_reexec_restarts_once_with_huge_pages_and_same_arguments():
+  lines = _probe({})
+  # The first start prints, execs, and the new image prints both lines.
+  assert [line[0] for line in lines] == ["start", "start", "after"]
+  assert lines[0][1] == lines[1][1] == lines[2][1]  # same pid: exec, no fork
+  assert lines[0][2] == "None"
+  assert lines[1][2] == host.HUGE_PAGES_TUNABLE
+  assert lines[2][2].startswith(host.HUGE_PAGES_TUNABLE)
+  assert "['a', '--b=1']" in lines[2][2]  # arguments kept
+  assert lines[2][2].endswith("False")  # importing vit_jax.host loads no JAX
+
+
+def test_reexec_leaves_a_user_choice_alone():
+  for env in ({"GLIBC_TUNABLES": ""}, {host.NO_REEXEC_VARIABLE: "1"}):
+    lines = _probe(env)
+    assert [line[0] for line in lines] == ["start", "after"], env
+
+
+def test_compilation_cache_defaults_to_the_user_cache_dir(tmp_path):
+  code = ("import jax; from vit_jax import host; "
+          "print(host.enable_compilation_cache()); "
+          "print(jax.config.jax_compilation_cache_dir)")
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), PYTHONPATH=ROOT)
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  out = subprocess.run([sys.executable, "-c", code], env=env,
+                       capture_output=True, text=True, check=True).stdout
+  expected = str(tmp_path / "vit_jax" / "xla")
+  assert out.split() == [expected, expected]
+  assert os.path.isdir(expected)
+
+  env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "mine")
+  out = subprocess.run([sys.executable, "-c", code], env=env,
+                       capture_output=True, text=True, check=True).stdout
+  assert out.split() == ["None", str(tmp_path / "mine")]
+
+
+def test_training_compiles_the_train_and_eval_steps_once(tmp_path, caplog):
+  """Three epochs with an evaluation after each (the last eval batch
+  padded): one compilation of each step, none per step or per eval."""
+  config = small_config(num_epochs=3, eval_every_epochs=1)
+  caplog.set_level(logging.WARNING, logger="jax")
+  with jax.log_compiles():
+    train.train_and_evaluate(config, str(tmp_path))
+  compiled = [r.getMessage().split(" with ")[0] for r in caplog.records
+              if r.getMessage().startswith("Compiling ")]
+  assert compiled.count("Compiling jit(train_step)") == 1, compiled
+  assert compiled.count("Compiling jit(eval_step)") == 1, compiled
+  with open(tmp_path / "metrics.jsonl") as f:
+    records = [json.loads(line) for line in f]
+  evals = [r for r in records if r.get("split") == "eval"]
+  trains = [r for r in records if r.get("split") == "train"]
+  assert len(evals) == 3 and len(trains) >= 3, (len(evals), len(trains))
