@@ -1,5 +1,6 @@
 """The benchmark scripts run as documented and print their summary line."""
 
+import json
 import os
 import re
 import subprocess
@@ -35,3 +36,26 @@ def test_fashion_mnist_benchmark_prints_curve_and_summary(tmp_path,
   # The summary reports the EMA params (the config keeps them).
   assert rows[-1].split("|")[4].strip() == summary.group(1)
   assert plot.stat().st_size > 10_000
+
+
+def test_throughput_worker_measures_the_real_train_step():
+  """One vit_jax worker of benchmarks/throughput.py, on a tiny image: the
+  FLOP count is XLA's for the real train step and sits between the forward
+  (2 x multiply-adds) and a generous 4x of it."""
+  result = subprocess.run(
+      [sys.executable, "benchmarks/throughput.py", "--worker",
+       "--impl=vit_jax", "--mode=train", "--image_size=8", "--patch_size=4",
+       "--batch=4", "--num_layers=1", "--steps=1"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ,
+               XLA_FLAGS="--xla_force_host_platform_device_count=1"))
+  assert result.returncode == 0, result.stderr[-3000:]
+  measured = json.loads(result.stdout.strip().splitlines()[-1])
+  assert measured["images_per_s"] > 0 and measured["compile_s"] > 0
+  assert measured["peak_rss_mib"] > 0
+  assert "--xla_cpu_experimental_ynn_fusion_type=" in measured["xla_flags"]
+  # 1 block, width 192, MLP 768, 5 tokens (4 patches + class token).
+  tokens, width, mlp = 5, 192, 768
+  forward = 2 * tokens * (4 * width * width + 2 * width * mlp
+                          + 2 * tokens * width)
+  assert 2 * forward < measured["flops_per_image"] < 4 * forward, measured
