@@ -47,7 +47,7 @@ def main(_):
   schedule = optim.learning_rate_schedule(config, 10_000, 100)
   state = train.create_train_state(model, (height, width, channels),
                                    optim.make_optimizer(config, schedule),
-                                   0, mesh)
+                                   0, mesh, ema=config.ema_decay > 0)
   train_fn, _ = train.compile_steps(
       config, mesh, train.shardings_of(state),
       np.full(channels, 127.0, np.float32),
