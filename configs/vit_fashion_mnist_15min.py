@@ -12,8 +12,11 @@ more per wall minute than patch-4 models of width 64 and 96 (README). At six
 epochs the recipe regularises lightly (flip, label smoothing) and reads out
 an exponential moving average of the params.
 
-Measured here: see the README's "Training recipes for small data" (about
-88% in 15 minutes, short of the 92% target).
+Measured here (2-core CPU, one device): test accuracy 87.7% (EMA 87.6%)
+after 6 epochs in 10.9 wall minutes, data loading and compilation
+included; per-epoch curve in docs/fashion_mnist_15min.png. Six epochs leave
+headroom: the same run took up to 30% longer in other sessions. That is
+short of the 92% target; see the README's "Training recipes for small data".
 """
 
 from vit_jax import configs

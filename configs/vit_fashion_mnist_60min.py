@@ -2,14 +2,18 @@ r"""Fashion-MNIST from scratch in 60 minutes of a 2-core CPU.
 
   python benchmarks/fashion_mnist.py --config=configs/vit_fashion_mnist_60min.py
 
-The model of configs/vit_fashion_mnist_15min.py (plain ViT: patch 7, 4x4 =
-16 tokens, width 128, 6 layers, 4 heads, MLP 512, mean-pooled tokens, 2-D
-sin-cos position embeddings) for the 24 epochs an hour buys at ~450
-images/s, with a random 2-pixel shift (crop after zero padding) added to the
-flip, because over 24 epochs the model starts to see each image often
-enough to memorise it, and an EMA of the params with a longer horizon.
+The recipe of configs/vit_fashion_mnist_15min.py (plain ViT-Mini/7: patch
+7, 4x4 = 16 tokens, width 128, 6 layers, 4 heads, MLP 512, mean-pooled
+tokens, 2-D sin-cos position embeddings; flip, label smoothing, EMA) for 24
+epochs (an hour at the slowest speed seen here, ~450 images/s), with a
+longer warm-up and a longer EMA horizon.
 
-Measured here: see the README's "Training recipes for small data".
+Measured here (2-core CPU, one device): test accuracy 90.1% (EMA 90.0%)
+after 24 epochs in 44.6 wall minutes, data loading and compilation
+included; per-epoch curve in docs/fashion_mnist_60min.png. Short of the 94%
+target (README). A random 2-pixel shift (`--config.crop_padding=2`) made it
+worse: 89.5% (EMA 89.3%) in 46.5 minutes, with the training accuracy held
+down to the test accuracy (90%, against 96% without it).
 """
 
 from vit_jax import configs
@@ -27,7 +31,7 @@ def get_config():
   config.weight_decay = 0.05
   config.label_smoothing = 0.1
   config.ema_decay = 0.999
-  config.crop_padding = 2
+  config.crop_padding = 0
   config.random_flip = True  # garments are left-right symmetric
   config.eval_batch_size = 1000
   config.log_every_steps = 100
