@@ -204,6 +204,74 @@ def test_dropout_off_is_deterministic_and_on_is_random():
   assert not np.allclose(a, c)
 
 
+# ------------------------------------------------- scan_blocks / remat_blocks
+BLOCK_MODES = [dict(scan_blocks=True), dict(remat_blocks=True),
+               dict(scan_blocks=True, remat_blocks=True)]
+
+
+@pytest.mark.parametrize("mode", BLOCK_MODES, ids=str)
+def test_scan_and_remat_keep_params_outputs_and_gradients(mode):
+  plain, other = _tiny(num_layers=3), _tiny(num_layers=3, **mode)
+  variables = _init(plain, (1, 16, 16, 3))
+  # The parameter tree is the official one in every mode.
+  chex.assert_trees_all_equal_shapes_and_dtypes(
+      variables, _init(other, (1, 16, 16, 3)))
+  params = jax.tree.map(  # a non-zero head, so gradients reach every block
+      lambda p: p + 0.05 * jax.random.normal(jax.random.PRNGKey(3), p.shape),
+      variables["params"])
+  images = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 16, 3))
+
+  def loss(model, params):
+    return jnp.sum(jnp.sin(model.apply({"params": params}, images)))
+
+  chex.assert_trees_all_close(
+      jax.jit(other.apply)({"params": params}, images),
+      plain.apply({"params": params}, images), atol=1e-5)
+  chex.assert_trees_all_close(jax.grad(lambda p: loss(other, p))(params),
+                              jax.grad(lambda p: loss(plain, p))(params),
+                              atol=1e-5)
+  jaxpr = str(jax.make_jaxpr(
+      lambda p: other.apply({"params": p}, images))(params))
+  assert ("scan[" in jaxpr) == mode.get("scan_blocks", False)
+  assert ("remat" in jaxpr or "checkpoint" in jaxpr) == mode.get(
+      "remat_blocks", False)
+
+
+@pytest.mark.parametrize("mode", BLOCK_MODES, ids=str)
+def test_scan_and_remat_apply_per_layer_drop_path(mode):
+  # Two blocks, drop_path_rate=1: block 0 has rate 0 (always kept) and block
+  # 1 rate 1 (always dropped), so training mode is deterministic and equal
+  # in every mode only if each block gets its own rate.
+  plain = _tiny(drop_path_rate=1.0)
+  other = _tiny(drop_path_rate=1.0, **mode)
+  variables = flax.core.unfreeze(_init(plain, (1, 16, 16, 3)))
+  variables["params"]["head"]["kernel"] = jnp.ones((32, 5))  # not zero
+  images = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 16, 3))
+  train = lambda model, seed: model.apply(
+      variables, images, train=True,
+      rngs={"dropout": jax.random.PRNGKey(seed)})
+  expected = train(plain, 0)
+  chex.assert_trees_all_close(train(other, 0), expected, atol=1e-5)
+  chex.assert_trees_all_close(train(other, 1), expected, atol=1e-5)
+  assert not np.allclose(expected, plain.apply(variables, images))
+  # Dropout in the scanned / remat'd blocks draws per key.
+  noisy = _tiny(dropout_rate=0.3, **mode)
+  a, b = train(noisy, 1), train(noisy, 2)
+  chex.assert_tree_all_finite((a, b))
+  assert not np.allclose(a, b)
+
+
+def test_scan_blocks_still_captures_per_layer_intermediates():
+  model = _tiny(num_layers=3, scan_blocks=True, remat_blocks=True)
+  variables = _init(model, (1, 16, 16, 3))
+  _, captured = model.apply(variables, jnp.ones((2, 16, 16, 3)),
+                            mutable="intermediates")
+  encoder = captured["intermediates"]["Transformer"]
+  assert len(encoder["block_outputs"]) == 3
+  attention = encoder["encoderblock_2"]["MultiHeadDotProductAttention_1"]
+  chex.assert_shape(attention["attention_weights"][0], (2, 4, 17, 17))
+
+
 # ------------------------------------------------------------------ errors
 def test_patch_must_divide_image():
   with pytest.raises(models.ViTInputError, match="not divisible by patch_size"):

@@ -172,6 +172,26 @@ def test_gradient_accumulation_composes_with_fsdp():
 
 
 @pytest.mark.slow
+def test_scan_and_remat_blocks_train_like_the_plain_loop_under_fsdp():
+  """scan_blocks + remat_blocks on data=2 x fsdp=4: same parameter layout
+  and shardings, same losses and parameters as the plain loop."""
+  results = []
+  for scan_and_remat in (False, True):
+    config = small_config(fsdp_min_size=256)
+    config.mesh.update({"data": 2, "fsdp": 4})
+    config.model.scan_blocks = config.model.remat_blocks = scan_and_remat
+    mesh = sharding.make_mesh(config.mesh)
+    state, losses = _train(config, mesh, 4)
+    expected = sharding.state_shardings(mesh, state, 256)
+    for array, want in zip(jax.tree.leaves(state), jax.tree.leaves(expected)):
+      assert array.sharding.is_equivalent_to(want, array.ndim)
+    results.append((losses, jax.device_get(state.params)))
+  np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
+  chex.assert_trees_all_close(results[1][1], results[0][1], rtol=1e-4,
+                              atol=1e-5)
+
+
+@pytest.mark.slow
 def test_checkpoint_restores_onto_another_mesh(tmp_path):
   """Written with FSDP on 8 devices; restored on 1 device and on 4
   data-parallel devices: identical arrays, then identical training."""

@@ -98,12 +98,13 @@ class MultiHeadSelfAttention(nn.Module):
         kernel_init=nn.initializers.xavier_uniform(), name="out")(attended)
 
 
-def drop_path(module: nn.Module, x: jax.Array, rate: float,
+def drop_path(module: nn.Module, x: jax.Array, rate: float | jax.Array,
               deterministic: bool) -> jax.Array:
   """Stochastic depth: zeroes the whole residual branch x (B, ...) of each
   example with probability `rate`, scaling the kept ones by 1 / (1 - rate).
   Uses the "dropout" RNG stream."""
-  if deterministic or rate == 0.0:
+  # rate is a traced scalar when the blocks run under jax.lax.scan.
+  if deterministic or (isinstance(rate, (int, float)) and rate == 0.0):
     return x
   keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rate,
                               (x.shape[0],) + (1,) * (x.ndim - 1))
@@ -116,7 +117,7 @@ class Encoder1DBlock(nn.Module):
   mlp_dim: int
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
-  drop_path_rate: float = 0.0
+  drop_path_rate: float | jax.Array = 0.0
   approximate_gelu: bool = True
   layer_norm_epsilon: float = 1e-6
   dtype: Dtype = jnp.float32
@@ -150,6 +151,14 @@ class Encoder(nn.Module):
   The learned position embedding is added here (official layout); with
   learned_posemb=False the caller has added fixed ones. Block i drops its
   residual branches with rate drop_path_rate * i / (num_layers - 1).
+
+  scan_blocks / remat_blocks change how the blocks run, never the parameter
+  tree (`encoderblock_{i}` as in the official checkpoints): the blocks'
+  parameters are stacked on the fly and the blocks run as one
+  `jax.lax.scan` body (compiled once, whatever the depth), and/or each block
+  is wrapped in `jax.checkpoint` (activations recomputed in the backward
+  pass). Both fall back to the plain loop at initialisation and when the
+  `intermediates` collection is being captured.
   """
   num_layers: int
   num_heads: int
@@ -160,6 +169,8 @@ class Encoder(nn.Module):
   learned_posemb: bool = True
   approximate_gelu: bool = True
   layer_norm_epsilon: float = 1e-6
+  scan_blocks: bool = False
+  remat_blocks: bool = False
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -169,20 +180,81 @@ class Encoder(nn.Module):
       x = self._add_learned_posemb(x)
     self.sow("intermediates", "embedded", x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
-    for layer in range(self.num_layers):
-      x = Encoder1DBlock(
-          num_heads=self.num_heads, mlp_dim=self.mlp_dim,
-          dropout_rate=self.dropout_rate,
-          attention_dropout_rate=self.attention_dropout_rate,
-          drop_path_rate=self.drop_path_rate * layer / max(
-              self.num_layers - 1, 1),
-          approximate_gelu=self.approximate_gelu,
-          layer_norm_epsilon=self.layer_norm_epsilon, dtype=self.dtype,
-          param_dtype=self.param_dtype, name=f"encoderblock_{layer}")(
-              x, deterministic=deterministic)
-      self.sow("intermediates", "block_outputs", x)
+    if ((self.scan_blocks or self.remat_blocks) and not self.is_initializing()
+        and not self.is_mutable_collection("intermediates")):
+      x = self._run_blocks_functionally(x, deterministic)
+    else:
+      for layer in range(self.num_layers):
+        x = self._block(self._drop_path_rate_of(layer),
+                        name=f"encoderblock_{layer}")(
+                            x, deterministic=deterministic)
+        self.sow("intermediates", "block_outputs", x)
     return nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype,
                         param_dtype=self.param_dtype, name="encoder_norm")(x)
+
+  def _drop_path_rate_of(self, layer: int) -> float:
+    return self.drop_path_rate * layer / max(self.num_layers - 1, 1)
+
+  def _block(self, drop_path_rate: float | jax.Array,
+             **module_kwargs) -> Encoder1DBlock:
+    return Encoder1DBlock(
+        num_heads=self.num_heads, mlp_dim=self.mlp_dim,
+        dropout_rate=self.dropout_rate,
+        attention_dropout_rate=self.attention_dropout_rate,
+        drop_path_rate=drop_path_rate,
+        approximate_gelu=self.approximate_gelu,
+        layer_norm_epsilon=self.layer_norm_epsilon, dtype=self.dtype,
+        param_dtype=self.param_dtype, **module_kwargs)
+
+  def _run_blocks_functionally(self, x: jax.Array,
+                               deterministic: bool) -> jax.Array:
+    """The blocks as a pure function of (x, block params): scanned, remat'd.
+
+    Dropout and drop path draw from keys split off this module's "dropout"
+    stream: the same distribution as the plain loop, different draws.
+    """
+    block_params = [self.variables["params"][f"encoderblock_{layer}"]
+                    for layer in range(self.num_layers)]
+    stochastic = not deterministic and (
+        self.dropout_rate or self.attention_dropout_rate or
+        self.drop_path_rate)
+    keys = (list(jax.random.split(self.make_rng("dropout"), self.num_layers))
+            if stochastic else [None] * self.num_layers)
+    rates = [self._drop_path_rate_of(layer)
+             for layer in range(self.num_layers)]
+
+    def apply_block(x, params, rate, key):
+      # parent=None: a free-standing module, not a child of this one.
+      block = self._block(rate, parent=None)
+      rngs = {"dropout": key} if key is not None else {}
+      return block.apply({"params": params}, x, deterministic=deterministic,
+                         rngs=rngs)
+
+    if self.remat_blocks:
+      # A Python-float rate must stay static (zero skips drop path); only
+      # the scanned per-layer rates are arrays.
+      traced_rate = self.scan_blocks and bool(self.drop_path_rate)
+      apply_block = jax.checkpoint(apply_block,
+                                   prevent_cse=not self.scan_blocks,
+                                   static_argnums=() if traced_rate else (2,))
+    if not self.scan_blocks:
+      for params, rate, key in zip(block_params, rates, keys):
+        x = apply_block(x, params, rate, key)
+      return x
+
+    stack = lambda *leaves: jnp.stack(leaves)
+    # The rates become a traced per-layer array only when drop path is on: a
+    # Python 0.0 lets drop_path skip itself.
+    xs = (jax.tree.map(stack, *block_params),
+          jnp.asarray(rates, jnp.float32) if self.drop_path_rate else None,
+          jnp.stack(keys) if stochastic else None)
+
+    def body(x, layer_inputs):
+      params, rate, key = layer_inputs
+      return apply_block(x, params, 0.0 if rate is None else rate, key), None
+
+    x, _ = jax.lax.scan(body, x, xs)
+    return x
 
   def _add_learned_posemb(self, x: jax.Array) -> jax.Array:
     num_tokens, hidden_size = x.shape[1:]
@@ -261,6 +333,12 @@ class VisionTransformer(nn.Module):
       its checkpoints; False gives the exact erf GELU of PyTorch models.
     layer_norm_epsilon: LayerNorm epsilon; 1e-6 as in the official code,
       torchvision and timm; Hugging Face ViT checkpoints use 1e-12.
+    scan_blocks: run the encoder blocks as one `jax.lax.scan` body: the
+      train step compiles in about the time of one block, whatever the depth
+      (for deep models and fast iteration). Same parameters and outputs.
+    remat_blocks: recompute each block's activations in the backward pass
+      instead of storing them (`jax.checkpoint`): about a third more compute
+      for activation memory of one block instead of all (large models).
     dtype: compute dtype (bfloat16 on GPU/TPU); logits are returned float32.
     param_dtype: dtype the parameters are stored in (keep float32).
   """
@@ -278,6 +356,8 @@ class VisionTransformer(nn.Module):
   representation_size: Optional[int] = None
   approximate_gelu: bool = True
   layer_norm_epsilon: float = 1e-6
+  scan_blocks: bool = False
+  remat_blocks: bool = False
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -309,8 +389,9 @@ class VisionTransformer(nn.Module):
         drop_path_rate=self.drop_path_rate,
         learned_posemb=self.posemb == "learn",
         approximate_gelu=self.approximate_gelu,
-        layer_norm_epsilon=self.layer_norm_epsilon, dtype=self.dtype,
-        param_dtype=self.param_dtype, name="Transformer")(
+        layer_norm_epsilon=self.layer_norm_epsilon,
+        scan_blocks=self.scan_blocks, remat_blocks=self.remat_blocks,
+        dtype=self.dtype, param_dtype=self.param_dtype, name="Transformer")(
             x, deterministic=not train)
 
     x = x[:, 0] if self.classifier == "token" else jnp.mean(x, axis=1)

@@ -73,6 +73,8 @@ def get_variant(name: str) -> ml_collections.ConfigDict:
       representation_size=ml_collections.config_dict.placeholder(int),
       approximate_gelu=True,
       layer_norm_epsilon=1e-6,
+      scan_blocks=False,
+      remat_blocks=False,
       dtype="float32",
       **VARIANTS[name],
   ))
