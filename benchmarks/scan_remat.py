@@ -38,6 +38,7 @@ _STEPS = flags.DEFINE_integer("steps", 4, "Timed steps per mode and round.")
 
 MODES = {"plain": (False, False), "scan": (True, False),
          "remat": (False, True), "scan+remat": (True, True)}
+_MODES = flags.DEFINE_list("modes", list(MODES), "Modes to compare.")
 MIB = 2**20
 
 
@@ -114,8 +115,8 @@ def main(argv):
   print("|---|---:|---|---:|---:|---:|---:|---:|")
   for name in _MODELS.value:
     batch = _BATCH.value or image_size_and_batch(name)[1]
-    rows = {mode: compile_step(name, scan, remat, batch)
-            for mode, (scan, remat) in MODES.items()}
+    rows = {mode: compile_step(name, *MODES[mode], batch)
+            for mode in _MODES.value}
     speed = time_modes(rows, batch) if name in _RUN.value else {}
     for mode, row in rows.items():
       rate = f"{speed[mode]:.1f}" if mode in speed else "-"

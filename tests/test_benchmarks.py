@@ -62,13 +62,14 @@ def test_throughput_worker_measures_the_real_train_step():
 
 
 @pytest.mark.slow
-def test_scan_remat_benchmark_compares_the_four_modes():
-  """benchmarks/scan_remat.py on a small model: one row per mode, the same
-  state everywhere, and scan + remat needing less step memory than the
-  plain loop (XLA's own memory analysis)."""
+def test_scan_remat_benchmark_compares_modes():
+  """benchmarks/scan_remat.py on a small model: one row per mode asked for,
+  the same state in each, and scan + remat needing less step memory than
+  the plain loop (XLA's own memory analysis)."""
   result = subprocess.run(
       [sys.executable, "benchmarks/scan_remat.py", "--models=ViT-Mini/7",
-       "--run=ViT-Mini/7", "--rounds=1", "--steps=1"],
+       "--modes=plain,scan+remat", "--run=ViT-Mini/7", "--rounds=1",
+       "--steps=1"],
       cwd=ROOT, capture_output=True, text=True, timeout=300,
       env=dict(os.environ,
                XLA_FLAGS="--xla_force_host_platform_device_count=1"))
@@ -80,7 +81,7 @@ def test_scan_remat_benchmark_compares_the_four_modes():
       rows[cells[2]] = dict(
           temp=float(cells[5].replace(",", "")),
           state=float(cells[6].replace(",", "")), speed=float(cells[7]))
-  assert set(rows) == {"plain", "scan", "remat", "scan+remat"}, result.stdout
+  assert set(rows) == {"plain", "scan+remat"}, result.stdout
   assert len({row["state"] for row in rows.values()}) == 1
   assert rows["scan+remat"]["temp"] < rows["plain"]["temp"]
   assert all(row["speed"] > 0 for row in rows.values())
