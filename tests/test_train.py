@@ -48,6 +48,44 @@ def test_overfits_a_fixed_batch_of_noise():
   assert int(state.step) == 150
 
 
+def test_bfloat16_compute_trains_like_float32_with_float32_state():
+  """Mixed precision: bfloat16 matmuls, float32 params and AdamW moments.
+  Twenty steps from the same init on the same batch stay on the float32
+  run's path (bfloat16 keeps 8 bits of mantissa, so not bit-identical)."""
+  mesh = sharding.make_mesh()
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, (16, 16, 16, 3)).astype(np.uint8)
+  labels = rng.integers(0, 10, 16).astype(np.int32)
+  batch = [sharding.to_global_batch(mesh, x) for x in (images, labels)]
+  runs = {}
+  for dtype in ("float32", "bfloat16"):
+    config = small_config(crop_padding=0, random_flip=False,
+                          learning_rate=1e-3)
+    config.model.dtype = dtype
+    _, state, train_fn, _ = _build(config, mesh, total_steps=20)
+    initial = jax.device_get(state.params)
+    losses = []
+    for _ in range(20):
+      state, metrics = train_fn(state, *batch)
+      losses.append(float(metrics["loss"]))
+    runs[dtype] = initial, jax.device_get(state), np.array(losses)
+
+  (initial, state32, losses32), (initial16, state16, losses16) = (
+      runs["float32"], runs["bfloat16"])
+  chex.assert_trees_all_equal(initial, initial16)
+  for leaf in jax.tree.leaves((state16.params, state16.opt_state)):
+    if jnp.issubdtype(leaf.dtype, jnp.floating):
+      assert leaf.dtype == jnp.float32
+  assert not np.array_equal(losses16, losses32)  # bfloat16 really computed
+  np.testing.assert_allclose(losses16, losses32, rtol=5e-3)
+  flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
+  start = flat(initial)
+  update32, update16 = flat(state32.params) - start, flat(state16.params) - start
+  cosine = update16 @ update32 / np.linalg.norm(update16) / np.linalg.norm(
+      update32)
+  assert cosine > 0.99, cosine
+
+
 def test_eval_step_ignores_padding():
   config = small_config()
   mesh = sharding.make_mesh()
