@@ -1,7 +1,7 @@
 r"""Training and inference speed of vit_jax against timm and torchvision.
 
   pip install -e '.[bench]'
-  python benchmarks/throughput.py            # ~11 minutes on 2 cores
+  python benchmarks/throughput.py            # ~10 minutes on 2 cores
   python benchmarks/throughput.py --growth   # + cost growth, ~15 minutes
 
 Two models with identical dims in every library, float32 on CPU:
@@ -28,7 +28,8 @@ where *_vs_timm is the worst ratio over the two models of vit_jax to the
 fastest PyTorch variant, train_gemm_fraction the worst training GFLOP/s as a
 fraction of the GEMM rate, compile_s the slower train-step compile.
 torch.compile's first run on a machine compiles cold (about a minute per
-model); later runs hit its on-disk cache.
+workload, ~12 minutes in all); later runs load its cache, kept in
+~/.cache/vit_jax/torchinductor unless TORCHINDUCTOR_CACHE_DIR is set.
 """
 
 import argparse
@@ -171,6 +172,7 @@ def gemm_worker(library: str) -> dict:
     a = np.random.rand(m, k).astype(np.float32)
     b = np.random.rand(k, n).astype(np.float32)
     if library == "jax":
+      import vit_jax  # its XLA:CPU flags, as in the vit_jax workers
       import jax
       a, b = jax.device_put(a), jax.device_put(b)
       matmul = jax.jit(lambda x, y: x @ y)
@@ -186,13 +188,20 @@ def gemm_worker(library: str) -> dict:
 
 
 def spawn(args: list[str], env: dict) -> dict:
-  """Runs this script as a worker in a fresh process; returns its JSON."""
+  """Runs this script as a worker in a fresh process; returns its JSON.
+  Prints a progress line (worker, result, its wall seconds) to stderr."""
+  start = time.perf_counter()
   out = subprocess.run([sys.executable, __file__, "--worker", *args], env=env,
                        capture_output=True, text=True, check=False)
   lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
   if out.returncode or not lines:
     raise RuntimeError(f"worker {args} failed:\n{out.stderr[-3000:]}")
-  return json.loads(lines[-1])
+  result = json.loads(lines[-1])
+  rate = (f"{result['images_per_s']:.1f} images/s"
+          if "images_per_s" in result else "GEMM")
+  print(f"  {' '.join(a.split('=')[-1] for a in args)}: {rate} "
+        f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+  return result
 
 
 def machine_load() -> str:
@@ -231,6 +240,12 @@ def main():
   env = dict(os.environ)
   if args.huge_pages:
     env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+  from vit_jax import host  # pylint: disable=g-import-not-at-top
+  # torch.compile's cache beside vit_jax's XLA cache, not in /tmp (which
+  # machines clean): the first run compiles cold (~1 min per workload),
+  # later runs load.
+  env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+      os.path.dirname(host.default_cache_dir()), "torchinductor"))
   started = time.perf_counter()
   loads = [machine_load()]
   gemm = {lib: spawn([f"--impl=gemm-{lib}"], env) for lib in ("torch", "jax")}
@@ -261,7 +276,8 @@ def main():
   print(f"\nCommand: python benchmarks/throughput.py"
         f"{'' if args.huge_pages else ' --no-huge_pages'}"
         f"{' --growth' if args.growth else ''}")
-  print(f"GEMM fp32 GFLOP/s, best of 2x20 (2048^3 | 8320x192x768): torch "
+  print(f"GEMM fp32 GFLOP/s, best of 2x20 (2048^3 | 8320x192x768; jax with "
+        f"vit_jax's flags): torch "
         f"{gemm['torch']['2048x2048x2048']:.0f} | "
         f"{gemm['torch']['8320x192x768']:.0f}, jax "
         f"{gemm['jax']['2048x2048x2048']:.0f} | "
