@@ -30,15 +30,20 @@ def _build(config, mesh, total_steps=20, steps_per_epoch=4):
   return dataset, state, train_fn, eval_fn
 
 
+def _noise_batch(mesh):
+  """16 random 16x16x3 uint8 images and labels, placed on the mesh."""
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, (16, 16, 16, 3)).astype(np.uint8)
+  labels = rng.integers(0, 10, 16).astype(np.int32)
+  return [sharding.to_global_batch(mesh, x) for x in (images, labels)]
+
+
 def test_overfits_a_fixed_batch_of_noise():
   config = small_config(crop_padding=0, label_smoothing=0.0,
                          weight_decay=0.0, learning_rate=3e-3)
   mesh = sharding.make_mesh()
   _, state, train_fn, _ = _build(config, mesh, total_steps=150)
-  rng = np.random.default_rng(0)
-  images = rng.integers(0, 256, (16, 16, 16, 3)).astype(np.uint8)
-  labels = rng.integers(0, 10, 16).astype(np.int32)
-  batch = [sharding.to_global_batch(mesh, x) for x in (images, labels)]
+  batch = _noise_batch(mesh)
   losses = []
   for _ in range(150):
     state, metrics = train_fn(state, *batch)
@@ -53,10 +58,7 @@ def test_bfloat16_compute_trains_like_float32_with_float32_state():
   Twenty steps from the same init on the same batch stay on the float32
   run's path (bfloat16 keeps 8 bits of mantissa, so not bit-identical)."""
   mesh = sharding.make_mesh()
-  rng = np.random.default_rng(0)
-  images = rng.integers(0, 256, (16, 16, 16, 3)).astype(np.uint8)
-  labels = rng.integers(0, 10, 16).astype(np.int32)
-  batch = [sharding.to_global_batch(mesh, x) for x in (images, labels)]
+  batch = _noise_batch(mesh)
   runs = {}
   for dtype in ("float32", "bfloat16"):
     config = small_config(crop_padding=0, random_flip=False,

@@ -230,23 +230,22 @@ class Encoder(nn.Module):
       return block.apply({"params": params}, x, deterministic=deterministic,
                          rngs=rngs)
 
+    # Rates are a traced per-layer array only when scanned with drop path
+    # on; otherwise Python floats, kept static so that a rate of 0.0 lets
+    # drop_path skip itself.
+    traced_rates = self.scan_blocks and bool(self.drop_path_rate)
     if self.remat_blocks:
-      # A Python-float rate must stay static (zero skips drop path); only
-      # the scanned per-layer rates are arrays.
-      traced_rate = self.scan_blocks and bool(self.drop_path_rate)
       apply_block = jax.checkpoint(apply_block,
                                    prevent_cse=not self.scan_blocks,
-                                   static_argnums=() if traced_rate else (2,))
+                                   static_argnums=() if traced_rates else (2,))
     if not self.scan_blocks:
       for params, rate, key in zip(block_params, rates, keys):
         x = apply_block(x, params, rate, key)
       return x
 
     stack = lambda *leaves: jnp.stack(leaves)
-    # The rates become a traced per-layer array only when drop path is on: a
-    # Python 0.0 lets drop_path skip itself.
     xs = (jax.tree.map(stack, *block_params),
-          jnp.asarray(rates, jnp.float32) if self.drop_path_rate else None,
+          jnp.asarray(rates, jnp.float32) if traced_rates else None,
           jnp.stack(keys) if stochastic else None)
 
     def body(x, layer_inputs):
