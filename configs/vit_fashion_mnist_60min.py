@@ -24,6 +24,8 @@ def get_config():
   config.dataset = "fashion_mnist"
   config.model.classifier = "gap"
   config.model.posemb = "sincos2d"
+  config.model.shifted_patches = True  # Lee et al. 2021's SPT and LSA
+  config.model.locality_attention = True
   config.num_epochs = 24
   config.batch_size = 128
   config.learning_rate = 2e-3

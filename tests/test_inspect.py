@@ -135,6 +135,18 @@ def test_shape_trace_with_gap_and_pre_logits():
   assert rows["pre-logits (dense + tanh)"] == (3, 8)
 
 
+def test_shape_trace_and_summary_with_shifted_patches():
+  model = small_vit(shifted_patches=True, locality_attention=True)
+  params, images = _init(model)
+  rows = introspect.shape_trace(model, params, images)
+  assert rows[1] == ("shifted patch tokens (image + 4 shifts, 4x4 patches, "
+                     "LayerNorm, linear)", (3, 4, 4, 32))
+  summary = dict(introspect.parameter_summary(params))
+  assert list(summary)[:2] == ["embedding_norm", "embedding"]
+  assert summary["embedding_norm"] == 2 * 4 * 4 * 15
+  assert summary["embedding"] == 4 * 4 * 15 * 32 + 32
+
+
 def test_parameter_summary_of_vit_b16():
   _, params = _b16()
   rows = introspect.parameter_summary(params)

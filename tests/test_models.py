@@ -134,14 +134,35 @@ def _gelu_tanh(x):
   return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
 
-def _numpy_vit(params, images, patch, num_heads, representation):
-  """The paper's forward pass written independently in float64 numpy."""
+def _numpy_shift(images, dy, dx):
+  """images moved down by dy and right by dx pixels, zeros shifted in."""
+  out = np.zeros_like(images)
+  height, width = images.shape[1:3]
+  out[:, max(dy, 0):height + min(dy, 0), max(dx, 0):width + min(dx, 0)] = \
+      images[:, max(-dy, 0):height - max(dy, 0),
+             max(-dx, 0):width - max(dx, 0)]
+  return out
+
+
+def _numpy_vit(params, images, patch, num_heads, representation,
+               shifted_patches=False, locality_attention=False):
+  """The paper's forward pass written independently in float64 numpy, with
+  Lee et al.'s Shifted Patch Tokenization and Locality Self-Attention."""
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  if shifted_patches:  # down-right, down-left, up-right, up-left
+    half = patch // 2
+    images = np.concatenate([images] + [
+        _numpy_shift(images, dy, dx)
+        for dy, dx in ((half, half), (half, -half), (-half, half),
+                       (-half, -half))], axis=-1)
   batch, height, width, channels = images.shape
   grid_h, grid_w = height // patch, width // patch
   patches = images.reshape(batch, grid_h, patch, grid_w, patch, channels)
   patches = patches.transpose(0, 1, 3, 2, 4, 5).reshape(
       batch, grid_h * grid_w, -1)
+  if shifted_patches:
+    norm = jax.tree.map(lambda a: a.reshape(-1), p["embedding_norm"])
+    patches = _layer_norm(patches, norm)
   kernel = p["embedding"]["kernel"].reshape(-1, p["embedding"]["bias"].size)
   x = patches @ kernel + p["embedding"]["bias"]
   cls = np.broadcast_to(p["cls"], (batch, 1, x.shape[-1]))
@@ -155,7 +176,11 @@ def _numpy_vit(params, images, patch, num_heads, representation):
     q, k, v = (np.einsum("btd,dhe->bthe", y, attn[n]["kernel"]) +
                attn[n]["bias"] for n in ("query", "key", "value"))
     head_dim = q.shape[-1]
-    logits = np.einsum("bqhe,bkhe->bhqk", q, k) / np.sqrt(head_dim)
+    if locality_attention:
+      logits = np.einsum("bqhe,bkhe->bhqk", q, k) / attn["temperature"]
+      logits[..., np.eye(logits.shape[-1], dtype=bool)] = -np.inf
+    else:
+      logits = np.einsum("bqhe,bkhe->bhqk", q, k) / np.sqrt(head_dim)
     weights = np.exp(logits - logits.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)
     out = np.einsum("bhqk,bkhe->bqhe", weights, v)
@@ -186,6 +211,60 @@ def test_forward_matches_numpy_reference():
   expected = _numpy_vit(variables["params"], images.astype(np.float64),
                         patch=4, num_heads=4, representation=True)
   np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_shifted_patches_and_locality_attention_match_numpy_reference():
+  model = _tiny(shifted_patches=True, locality_attention=True)
+  variables = flax.core.unfreeze(_init(model, (1, 16, 16, 3)))
+  params = variables["params"]
+  assert params["embedding"]["kernel"].shape == (4, 4, 15, 32)
+  assert params["embedding_norm"]["scale"].shape == (4, 4, 15)
+  attention = params["Transformer"]["encoderblock_0"][
+      "MultiHeadDotProductAttention_1"]
+  assert float(attention["temperature"]) == pytest.approx(np.sqrt(8))
+  # Random values everywhere the initialisation is constant, so a wrong
+  # shift direction, channel order, normalised axis or temperature shows.
+  keys = iter(jax.random.split(jax.random.PRNGKey(5), 8))
+  params["head"]["kernel"] = jax.random.normal(next(keys), (32, 5))
+  for name in ("scale", "bias"):
+    params["embedding_norm"][name] = jax.random.uniform(
+        next(keys), (4, 4, 15), minval=0.5, maxval=1.5)
+  for layer in range(2):
+    params["Transformer"][f"encoderblock_{layer}"][
+        "MultiHeadDotProductAttention_1"]["temperature"] = jnp.asarray(
+            0.5 + layer)
+  images = np.asarray(jax.random.normal(next(keys), (2, 16, 16, 3)))
+  expected = _numpy_vit(params, images.astype(np.float64), patch=4,
+                        num_heads=4, representation=False,
+                        shifted_patches=True, locality_attention=True)
+  np.testing.assert_allclose(model.apply(variables, images), expected,
+                             rtol=1e-4, atol=1e-5)
+  # No token attends to itself; attention still sums to one.
+  _, state = model.apply(variables, images, mutable=["intermediates"])
+  weights = state["intermediates"]["Transformer"]["encoderblock_1"][
+      "MultiHeadDotProductAttention_1"]["attention_weights"][0]
+  assert np.all(np.diagonal(weights, axis1=-2, axis2=-1) == 0)
+  np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
+
+
+def test_shifted_patches_see_their_neighbours_edges():
+  model = _tiny(shifted_patches=True, classifier="gap", posemb="sincos2d")
+  variables = _init(model, (1, 16, 16, 3))
+  tokens = lambda images: model.apply(
+      variables, images, mutable=["intermediates"])[1]["intermediates"][
+          "patch_tokens"][0][0]
+  images = jnp.zeros((1, 16, 16, 3))
+  base = tokens(images)
+  # Pixel (5, 5) lies in patch (1, 1); shifted by half a patch (2 pixels)
+  # it lands in patches (0, 0), (0, 1), (1, 0) as well. Patch (2, 2) at
+  # pixel distance > 2 is untouched.
+  changed = np.abs(tokens(images.at[0, 5, 5].set(1.0)) - base).max(-1)
+  changed = changed.reshape(4, 4) > 1e-6
+  assert changed[:2, :2].all() and changed.sum() == 4
+  # A token of 1 patch only: attention to itself is all there is.
+  lonely = _tiny(locality_attention=True, patch_size=16, classifier="gap")
+  out = lonely.apply(_init(lonely, (1, 16, 16, 3)), jnp.ones((1, 16, 16, 3)))
+  assert np.isfinite(out).all()
 
 
 def test_dropout_off_is_deterministic_and_on_is_random():

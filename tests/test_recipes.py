@@ -84,7 +84,7 @@ def test_lamb_first_step_is_the_trust_ratio_times_the_adam_direction():
 
 
 def test_layer_decay_scales_each_block_by_its_depth():
-  model = small_vit(num_layers=2)
+  model = small_vit(num_layers=2, shifted_patches=True)
   params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16, 16, 3)))[
       "params"]
   ones = jax.tree.map(jnp.ones_like, params)
@@ -95,6 +95,7 @@ def test_layer_decay_scales_each_block_by_its_depth():
   assert factor(scaled["Transformer"]["encoderblock_1"]) == 0.5
   assert factor(scaled["Transformer"]["encoderblock_0"]) == 0.25
   assert factor(scaled["embedding"]) == 0.125
+  assert factor(scaled["embedding_norm"]) == 0.125
   assert factor(scaled["cls"]) == 0.125
   assert factor(scaled["Transformer"]["posembed_input"]) == 0.125
 

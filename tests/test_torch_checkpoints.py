@@ -331,3 +331,21 @@ def test_torchvision_builders_map_onto_the_named_variants(builder, variant):
   assert jax.tree.structure(params) == jax.tree.structure(shapes)
   assert jax.tree.map(np.shape, params) == jax.tree.map(
       lambda s: s.shape, shapes)
+
+
+@pytest.mark.parametrize("option, value, named", [
+    ("posemb", "sincos2d", "posemb='sincos2d'"),
+    ("shifted_patches", True, "shifted_patches"),
+    ("locality_attention", True, "locality_attention"),
+])
+def test_export_names_options_pytorch_layouts_cannot_hold(option, value,
+                                                          named):
+  ours = VisionTransformer(
+      num_classes=DIMS["classes"], patch_size=DIMS["patch"],
+      hidden_size=DIMS["width"], num_layers=DIMS["layers"],
+      num_heads=DIMS["heads"], mlp_dim=DIMS["mlp"], **{option: value})
+  params = jax.eval_shape(ours.init, jax.random.PRNGKey(0),
+                          _images(seed=0))["params"]
+  params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), params)
+  with pytest.raises(CheckpointFormatError, match=named):
+    torch_checkpoints.export_state_dict(params, "timm")

@@ -118,6 +118,15 @@ def test_weight_decay_mask_spares_biases_norms_and_embeddings():
   assert block["MlpBlock_3"]["Dense_0"] == {"kernel": True, "bias": False}
   assert block["MultiHeadDotProductAttention_1"]["query"]["kernel"] is True
   assert mask["embedding"]["kernel"] is True
+  # Shifted patches' norm and locality attention's temperatures likewise.
+  config.model.shifted_patches = config.model.locality_attention = True
+  model = variants.build_model(config.model, 10)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16, 16, 3)))
+  mask = optim.weight_decay_mask(params["params"])
+  assert mask["embedding_norm"] == {"scale": False, "bias": False}
+  assert mask["embedding"] == {"kernel": True, "bias": False}
+  assert mask["Transformer"]["encoderblock_1"][
+      "MultiHeadDotProductAttention_1"]["temperature"] is False
 
 
 def test_learning_rate_warms_up_then_decays_by_cosine():

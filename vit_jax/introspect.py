@@ -104,9 +104,12 @@ def shape_trace(model: nn.Module, params, images: jax.Array
   got = _intermediates(model, params, images, capture=True)
   encoder = got["Transformer"]
   shape = lambda value: tuple(value[0].shape)
+  patch = f"{model.patch_size}x{model.patch_size}"
   rows = [("input image", tuple(images.shape)),
-          (f"patch embedding (conv {model.patch_size}x{model.patch_size}, "
-           f"stride {model.patch_size})", shape(got["embedding"]["__call__"])),
+          (f"shifted patch tokens (image + 4 shifts, {patch} patches, "
+           "LayerNorm, linear)" if model.shifted_patches else
+           f"patch embedding (conv {patch}, stride {model.patch_size})",
+           shape(got["embedding"]["__call__"])),
           ("flatten to patch tokens", shape(got["patch_tokens"]))]
   if "with_class_token" in got:
     rows.append(("+ class token", shape(got["with_class_token"])))
@@ -126,7 +129,7 @@ def shape_trace(model: nn.Module, params, images: jax.Array
 
 def _forward_order(module: str):
   """Sort key: modules in the order the forward pass uses them."""
-  order = ["embedding", "cls", "Transformer/posembed_input",
+  order = ["embedding_norm", "embedding", "cls", "Transformer/posembed_input",
            "Transformer/encoderblock_", "Transformer/encoder_norm",
            "pre_logits", "head"]
   for rank, prefix in enumerate(order):

@@ -15,7 +15,9 @@ from flax import traverse_util
 
 # Parameters that get no weight decay unless config.decay_all_params: biases,
 # LayerNorm scales and the learned embeddings (class token, positions).
-_NO_DECAY_NAMES = ("bias", "scale", "pos_embedding", "cls")
+# Biases, norm gains, embeddings and the attention temperatures of
+# locality_attention (one scalar per block) are not decayed.
+_NO_DECAY_NAMES = ("bias", "scale", "pos_embedding", "cls", "temperature")
 OPTIMIZERS = ("adamw", "lamb", "sgd")
 TRAINABLE = ("all", "head")
 SCHEDULES = ("cosine", "linear")
@@ -54,7 +56,8 @@ def weight_decay_mask(params):
 def layer_index(path: tuple[str, ...], num_layers: int) -> int:
   """0 for the embeddings, i + 1 for encoder block i, num_layers + 1 for
   the final norm and the head."""
-  if path[0] in ("embedding", "cls") or "posembed_input" in path:
+  if (path[0] in ("embedding", "embedding_norm", "cls")
+      or "posembed_input" in path):
     return 0
   block = re.fullmatch(r"encoderblock_(\d+)", path[1] if len(path) > 1
                        else "")

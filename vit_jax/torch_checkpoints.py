@@ -230,6 +230,18 @@ def _canonical_to_params(canonical, num_heads: int) -> dict:
 def _params_to_canonical(params) -> dict[str, np.ndarray]:
   p = traverse_util.flatten_dict(params, sep="/")
   p = {k: np.asarray(v) for k, v in p.items()}
+  # Options the torchvision/timm/HF ViTs have no weights for.
+  unsupported = []
+  if "Transformer/posembed_input/pos_embedding" not in p:
+    unsupported.append("posemb='sincos2d'")
+  if "embedding_norm/scale" in p:
+    unsupported.append("shifted_patches")
+  if any(key.endswith("/temperature") for key in p):
+    unsupported.append("locality_attention")
+  if unsupported:
+    raise CheckpointFormatError(
+        f"These params use {', '.join(unsupported)}, which the PyTorch ViT "
+        "layouts cannot hold; export a model trained without them.")
   canonical = {"patch.weight": p["embedding/kernel"].transpose(3, 2, 0, 1),
                "patch.bias": p["embedding/bias"],
                "posemb": p["Transformer/posembed_input/pos_embedding"],

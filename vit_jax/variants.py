@@ -70,6 +70,8 @@ def get_variant(name: str) -> ml_collections.ConfigDict:
       classifier="token",
       posemb="learn",
       drop_path_rate=0.0,
+      shifted_patches=False,
+      locality_attention=False,
       representation_size=ml_collections.config_dict.placeholder(int),
       approximate_gelu=True,
       layer_norm_epsilon=1e-6,
