@@ -93,13 +93,11 @@ class MultiHeadSelfAttention(nn.Module):
     key = projection("key")(x)
     value = projection("value")(x)
 
-    if self.locality:
-      temperature = self.param(
-          "temperature", nn.initializers.constant(head_dim ** 0.5), (),
-          self.param_dtype)
-      query = query / temperature.astype(self.dtype)
-    else:
-      query = query / jnp.sqrt(head_dim).astype(self.dtype)
+    temperature = (self.param("temperature",
+                              nn.initializers.constant(head_dim ** 0.5), (),
+                              self.param_dtype)
+                   if self.locality else jnp.sqrt(head_dim))
+    query = query / temperature.astype(self.dtype)
     logits = jnp.einsum("bqhd,bkhd->bhqk", query, key).astype(jnp.float32)
     if self.locality:  # a token does not attend to itself
       num_tokens = logits.shape[-1]
@@ -468,7 +466,7 @@ class VisionTransformer(nn.Module):
     x = nn.LayerNorm(reduction_axes=patch_axes, feature_axes=patch_axes,
                      epsilon=self.layer_norm_epsilon, dtype=self.dtype,
                      param_dtype=self.param_dtype, name="embedding_norm")(x)
-    # A matmul over the patch axes rather than a strided Conv: 8% faster
+    # A matmul over the patch axes rather than a strided Conv: 5% faster
     # per train step on XLA:CPU for the ViT-Mini/7 Fashion-MNIST config.
     return nn.DenseGeneral(self.hidden_size, axis=patch_axes,
                            dtype=self.dtype, param_dtype=self.param_dtype,
