@@ -176,11 +176,11 @@ def _numpy_vit(params, images, patch, num_heads, representation,
     q, k, v = (np.einsum("btd,dhe->bthe", y, attn[n]["kernel"]) +
                attn[n]["bias"] for n in ("query", "key", "value"))
     head_dim = q.shape[-1]
+    temperature = (attn["temperature"] if locality_attention else
+                   np.sqrt(head_dim))
+    logits = np.einsum("bqhe,bkhe->bhqk", q, k) / temperature
     if locality_attention:
-      logits = np.einsum("bqhe,bkhe->bhqk", q, k) / attn["temperature"]
       logits[..., np.eye(logits.shape[-1], dtype=bool)] = -np.inf
-    else:
-      logits = np.einsum("bqhe,bkhe->bhqk", q, k) / np.sqrt(head_dim)
     weights = np.exp(logits - logits.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)
     out = np.einsum("bhqk,bkhe->bqhe", weights, v)
