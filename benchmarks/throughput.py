@@ -3,6 +3,7 @@ r"""Training and inference speed of vit_jax against timm and torchvision.
   pip install -e '.[bench]'
   python benchmarks/throughput.py            # ~10 minutes on 2 cores
   python benchmarks/throughput.py --growth   # + cost growth, ~15 minutes
+  python benchmarks/throughput.py --cpu_devices=-1  # vit_jax: device per core
 
 Two models with identical dims in every library, float32 on CPU:
   vit_tiny_cifar   32x32x3, patch 4, width 192, 12 layers, 3 heads, MLP 768
@@ -84,11 +85,14 @@ def jax_worker(model_name: str, mode: str, steps: int, image_size=None,
   model = models.VisionTransformer(num_classes=NUM_CLASSES, patch_size=patch,
                                    **dims)
   rng = np.random.default_rng(0)
-  images = jnp.asarray(rng.integers(0, 256, (batch, size, size, 3), np.uint8))
-  labels = jnp.asarray(rng.integers(0, NUM_CLASSES, batch, np.int32))
+  mesh = sharding.make_mesh()  # one device unless --cpu_devices splits
+  images, labels = jax.device_put(
+      (rng.integers(0, 256, (batch, size, size, 3), np.uint8),
+       rng.integers(0, NUM_CLASSES, batch).astype(np.int32)),
+      sharding.batch_sharded(mesh))
   state = train.create_train_state(model, (size, size, 3),
                                    optax.adamw(1e-3, weight_decay=0.05), 0,
-                                   sharding.make_mesh())
+                                   mesh)
 
   def preprocess(images, key):
     del key
@@ -99,14 +103,17 @@ def jax_worker(model_name: str, mode: str, steps: int, image_size=None,
     step = jax.jit(functools.partial(
         train.train_step, preprocess=preprocess, label_smoothing=0.0,
         learning_rate_fn=lambda step: 1e-3), donate_argnums=0)
-    compiled = step.lower(state, images, labels).compile()
+    lowered = step.lower(state, images, labels)
   else:
     step = jax.jit(lambda params, images: model.apply(
         {"params": params}, preprocess(images, None)))
-    compiled = step.lower(state.params, images).compile()
+    lowered = step.lower(state.params, images)
+  compiled = lowered.compile()
   compile_s = time.perf_counter() - start
   memory = compiled.memory_analysis()
-  flops = (compiled.cost_analysis() or {}).get("flops", float("nan"))
+  # XLA's count for the whole batch: the compiled program's would be one
+  # device's share (within 1% of this on one device).
+  flops = (lowered.cost_analysis() or {}).get("flops", float("nan"))
 
   if mode == "train":
     def run():
@@ -220,6 +227,9 @@ def main():
   parser.add_argument("--patch_size", type=int)
   parser.add_argument("--batch", type=int)
   parser.add_argument("--num_layers", type=int)
+  parser.add_argument("--cpu_devices", type=int, default=0,
+                      help="vit_jax's config.cpu_devices: -1 runs it on a "
+                      "single-threaded device per core, the batch split")
   parser.add_argument("--no-huge_pages", dest="huge_pages",
                       action="store_false")
   parser.add_argument("--growth", action="store_true",
@@ -230,6 +240,8 @@ def main():
     if args.impl.startswith("gemm-"):
       result = gemm_worker(args.impl[5:])
     elif args.impl == "vit_jax":
+      from vit_jax import host  # pylint: disable=g-import-not-at-top
+      host.split_cpu_into_devices(args.cpu_devices)  # before JAX starts
       result = jax_worker(args.model, args.mode, args.steps, args.image_size,
                           args.patch_size, args.batch, args.num_layers)
     else:
@@ -250,12 +262,17 @@ def main():
   loads = [machine_load()]
   gemm = {lib: spawn([f"--impl=gemm-{lib}"], env) for lib in ("torch", "jax")}
 
+  def worker_args(impl: str, model: str, mode: str) -> list[str]:
+    cpu_devices = [f"--cpu_devices={args.cpu_devices}"] * (impl == "vit_jax")
+    return [f"--impl={impl}", f"--model={model}", f"--mode={mode}",
+            *cpu_devices]
+
   workloads = [(m, mode) for m in MODELS for mode in ("train", "infer")]
   results = {}  # (model, mode, impl) -> list of results
   for model, mode in workloads:  # round 1: everyone
     for impl in ("vit_jax",) + TORCH_IMPLS:
       results.setdefault((model, mode, impl), []).append(
-          spawn([f"--impl={impl}", f"--model={model}", f"--mode={mode}"], env))
+          spawn(worker_args(impl, model, mode), env))
   loads.append(machine_load())
   fastest = {}
   for model, mode in workloads:  # round 2: vit_jax vs the fastest PyTorch
@@ -264,7 +281,7 @@ def main():
         key=lambda impl: results[model, mode, impl][0]["images_per_s"])
     for impl in (fastest[model, mode], "vit_jax"):
       results[model, mode, impl].append(
-          spawn([f"--impl={impl}", f"--model={model}", f"--mode={mode}"], env))
+          spawn(worker_args(impl, model, mode), env))
   loads.append(machine_load())
   for lib in gemm:  # again at the end; the best of the two counts
     again = spawn([f"--impl=gemm-{lib}"], env)
@@ -275,6 +292,7 @@ def main():
   rate = lambda key: statistics.mean(r["images_per_s"] for r in results[key])
   print(f"\nCommand: python benchmarks/throughput.py"
         f"{'' if args.huge_pages else ' --no-huge_pages'}"
+        f"{f' --cpu_devices={args.cpu_devices}' if args.cpu_devices else ''}"
         f"{' --growth' if args.growth else ''}")
   print(f"GEMM fp32 GFLOP/s, best of 2x20 (2048^3 | 8320x192x768; jax with "
         f"vit_jax's flags): torch "

@@ -38,19 +38,24 @@ def test_fashion_mnist_benchmark_prints_curve_and_summary(tmp_path,
   assert plot.stat().st_size > 10_000
 
 
-def test_throughput_worker_measures_the_real_train_step():
+@pytest.mark.parametrize("cpu_devices", [0, 2])
+def test_throughput_worker_measures_the_real_train_step(cpu_devices):
   """One vit_jax worker of benchmarks/throughput.py, on a tiny image: the
-  FLOP count is XLA's for the real train step and sits between the forward
-  (2 x multiply-adds) and a generous 4x of it."""
+  FLOP count is XLA's for the real train step (all devices' shares) and sits
+  between the forward (2 x multiply-adds) and a generous 4x of it."""
   result = subprocess.run(
       [sys.executable, "benchmarks/throughput.py", "--worker",
        "--impl=vit_jax", "--mode=train", "--image_size=8", "--patch_size=4",
-       "--batch=4", "--num_layers=1", "--steps=1"],
+       "--batch=4", "--num_layers=1", "--steps=1",
+       f"--cpu_devices={cpu_devices}"],
       cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env=dict(os.environ,
-               XLA_FLAGS="--xla_force_host_platform_device_count=1"))
+      env=dict(os.environ, XLA_FLAGS="" if cpu_devices else
+               "--xla_force_host_platform_device_count=1"))
   assert result.returncode == 0, result.stderr[-3000:]
   measured = json.loads(result.stdout.strip().splitlines()[-1])
+  if cpu_devices:
+    assert (f"--xla_force_host_platform_device_count={cpu_devices}"
+            in measured["xla_flags"])
   assert measured["images_per_s"] > 0 and measured["compile_s"] > 0
   assert measured["peak_rss_mib"] > 0
   assert "--xla_cpu_experimental_ynn_fusion_type=" in measured["xla_flags"]
@@ -85,3 +90,21 @@ def test_scan_remat_benchmark_compares_modes():
   assert len({row["state"] for row in rows.values()}) == 1
   assert rows["scan+remat"]["temp"] < rows["plain"]["temp"]
   assert all(row["speed"] > 0 for row in rows.values())
+
+
+@pytest.mark.slow
+def test_cpu_devices_benchmark_compares_one_device_with_one_per_core():
+  """Each setting in its own process, with the device count it asks for."""
+  result = subprocess.run(
+      [sys.executable, "benchmarks/cpu_devices.py", "--rounds=1", "--steps=1",
+       "--overrides=--config.model.num_layers=1"],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.strip().splitlines()
+  devices = [int(d) for d in re.findall(r"(\d+) device\(s\)", result.stdout)]
+  assert devices == [1, len(os.sched_getaffinity(0))], result.stdout
+  summary = re.fullmatch(r"summary: per_core_over_one_device=([\d.]+) "
+                         r"one_device=([\d.]+) per_core=([\d.]+)", lines[-1])
+  assert summary, lines[-1]
+  ratio, one, per_core = map(float, summary.groups())
+  assert abs(ratio - per_core / one) < 0.01

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 from helpers import small_config
 from vit_jax import host, train
@@ -68,6 +69,62 @@ def test_compilation_cache_defaults_to_the_user_cache_dir(tmp_path):
   out = subprocess.run([sys.executable, "-c", code], env=env,
                        capture_output=True, text=True, check=True).stdout
   assert out.split() == ["None", str(tmp_path / "mine")]
+
+
+# Splits the CPU as asked, then prints what JAX sees and XLA_FLAGS.
+_SPLIT_PROBE = """
+import os, sys
+from vit_jax import host
+count, start_first = int(sys.argv[1]), sys.argv[2] == "start_first"
+if start_first:
+  import jax; jax.devices()
+result = host.split_cpu_into_devices(count)
+import jax
+print(result, jax.device_count(), os.environ.get("XLA_FLAGS", ""))
+"""
+
+
+def _split(count: int, xla_flags: str = "", start_first: bool = False):
+  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=xla_flags)
+  out = subprocess.run(
+      [sys.executable, "-c", _SPLIT_PROBE, str(count),
+       "start_first" if start_first else "-"],
+      env=env, capture_output=True, text=True, check=True)
+  result, devices, flags = (out.stdout.strip().split(" ", 2) + [""])[:3]
+  return int(result), int(devices), flags, out.stderr
+
+
+def test_split_cpu_into_devices_gives_single_threaded_devices():
+  result, devices, flags, _ = _split(3)
+  assert (result, devices) == (3, 3)
+  assert "--xla_cpu_multi_thread_eigen=false" in flags.split()
+  # -1: one device per core this process may use.
+  cores = len(os.sched_getaffinity(0))
+  result, devices, _, _ = _split(-1)
+  assert devices == cores and result == (cores if cores > 1 else 0)
+  # 0 leaves one multi-threaded device.
+  result, devices, flags, _ = _split(0)
+  assert (result, devices) == (0, 1) and "eigen" not in flags
+
+
+def test_split_cpu_into_devices_leaves_the_users_choices_alone():
+  # A device count in XLA_FLAGS wins; so does the user's eigen setting.
+  user = f"{host.CPU_DEVICE_COUNT_FLAG}=2"
+  result, devices, flags, _ = _split(4, user)
+  assert (result, devices) == (0, 2) and "eigen" not in flags
+  user = "--xla_cpu_multi_thread_eigen=true"
+  result, devices, flags, _ = _split(2, user)
+  assert (result, devices) == (2, 2)
+  assert flags.split().count(user) == 1 and "=false" not in flags
+  # Too late once JAX has started: nothing changes, and a warning says so.
+  result, devices, _, stderr = _split(2, start_first=True)
+  assert (result, devices) == (0, 1)
+  assert "split_cpu_into_devices before any JAX computation" in stderr
+
+
+def test_split_cpu_into_devices_rejects_a_negative_count():
+  with pytest.raises(ValueError, match="cpu_devices=-2 must be >= -1"):
+    host.split_cpu_into_devices(-2)
 
 
 def test_training_compiles_the_train_and_eval_steps_once(tmp_path, caplog):

@@ -15,8 +15,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run_main(*flags, devices=1):
+  """devices=None leaves the device count to main.py (config.cpu_devices)."""
   env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices}"
+                      if devices else "")
   return subprocess.run([sys.executable, "main.py", *flags], cwd=ROOT,
                         env=env, capture_output=True, text=True, timeout=600)
 
@@ -58,9 +60,11 @@ def test_main_on_real_fashion_mnist_slice(tmp_path, fashion_mnist_dir):
       f"--config.raw_data_dir={fashion_mnist_dir}",
       "--config.max_train_examples=1024", "--config.max_eval_examples=500",
       "--config.num_train_steps=16", "--config.batch_size=64",
-      "--config.eval_batch_size=250", f"--workdir={tmp_path}", *SMALL_MODEL)
+      "--config.eval_batch_size=250", f"--workdir={tmp_path}",
+      "--config.cpu_devices=2", *SMALL_MODEL, devices=None)
   assert result.returncode == 0, result.stderr[-3000:]
   assert f"raw files in {fashion_mnist_dir}" in result.stdout
+  assert "2 device(s)" in result.stdout  # the CPU split as the config asks
   assert "over 500 images" in result.stdout
 
 

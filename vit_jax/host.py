@@ -14,10 +14,16 @@ documented in the README ("Speed on a CPU"):
   and the attention-weighted sum into one YNNPACK call that runs at
   ~9 GFLOP/s; without YNNPACK fusions ViT-Ti/16 inference at 224 px runs
   1.6x faster (training unchanged). CPU-only flags: GPU/TPU ignore them.
+* The CPU as several devices (`split_cpu_into_devices`, `config.cpu_devices`),
+  one thread each, with the batch split over them: for small models whose
+  matmuls are too small to share between threads well (ViT-Mini/7 on
+  Fashion-MNIST: a 1.3-1.5x faster train step on 2 cores), not for larger
+  ones (vit_tiny_cifar: no change).
 * A persistent XLA compilation cache in the user's cache directory, so a
   rerun or a resume skips the seconds of compiling the train step.
 """
 
+import logging
 import os
 import platform
 import sys
@@ -69,6 +75,55 @@ def default_xla_flags() -> list[str]:
   if added:
     os.environ["XLA_FLAGS"] = " ".join([current] + added).strip()
   return added
+
+
+CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_EIGEN_THREADS_FLAG = "--xla_cpu_multi_thread_eigen"
+
+
+def _jax_backend_started() -> bool:
+  if "jax" not in sys.modules:
+    return False
+  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+  return xla_bridge.backends_are_initialized()
+
+
+def split_cpu_into_devices(count: int) -> int:
+  """Makes JAX's CPU backend `count` devices of one thread each.
+
+  The trainer then splits each batch over them (data parallelism over
+  cores) instead of splitting every operation between threads. count=-1
+  takes one device per core this process may run on; 0 and 1 leave the
+  CPU as one multi-threaded device. Takes effect only before JAX's backend
+  starts (it reads XLA_FLAGS once), and never overrides a device count the
+  user put in XLA_FLAGS. GPU and TPU backends ignore it.
+
+  Returns the CPU device count JAX will have if this call decided it, else 0.
+  """
+  if count < -1:
+    raise ValueError(f"config.cpu_devices={count} must be >= -1 (-1: one "
+                     "device per core; 0: one multi-threaded device).")
+  if count == -1:
+    count = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count() or 1)
+  if count <= 1:
+    return 0
+  current = os.environ.get("XLA_FLAGS", "")
+  wanted = [f"{CPU_DEVICE_COUNT_FLAG}={count}", f"{_EIGEN_THREADS_FLAG}=false"]
+  if CPU_DEVICE_COUNT_FLAG in current:
+    # Set before: by the user (their choice wins) or by an earlier call.
+    return count if wanted[0] in current.split() else 0
+  if _jax_backend_started():
+    import jax  # pylint: disable=import-outside-toplevel
+    if jax.default_backend() == "cpu":
+      logging.warning(
+          "config.cpu_devices asks for %d CPU devices, but JAX had already "
+          "started; call vit_jax.host.split_cpu_into_devices before any JAX "
+          "computation (main.py does).", count)
+    return 0
+  added = [flag for flag in wanted if flag.split("=")[0] not in current]
+  os.environ["XLA_FLAGS"] = " ".join([current] + added).strip()
+  return count
 
 
 def default_cache_dir() -> str:

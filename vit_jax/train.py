@@ -20,7 +20,7 @@ import optax
 from flax.training import train_state
 from jax.experimental import multihost_utils
 
-from vit_jax import (augment, checkpoints, datasets, input_pipeline,
+from vit_jax import (augment, checkpoints, datasets, host, input_pipeline,
                      metric_writer, mixing, optim, preemption, pretrained,
                      sharding, tools, validation, variants)
 
@@ -273,6 +273,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
   while it runs; on SIGTERM/SIGINT it checkpoints the current step and
   raises `preemption.Preempted`.
   """
+  host.split_cpu_into_devices(config.cpu_devices)  # if JAX has not started
   validation.validate_config(config)
   with checkpoints.locked_workdir(workdir), \
       preemption.StopSignals() as stop:
