@@ -68,7 +68,7 @@ def main(argv):
       [f"--config={_CONFIG.value}", f"--rounds={_ROUNDS.value}",
        f"--steps={_STEPS.value}"] + [f"--overrides={override}"
                                      for override in _OVERRIDES.value]))
-  print(f"{len(os.sched_getaffinity(0))} cores; train step of "
+  print(f"{host.cpu_cores()} cores; train step of "
         f"{_CONFIG.value}, batch 128")
   rates = {name: [] for name in _SETTINGS}
   for round_index in range(_ROUNDS.value):
