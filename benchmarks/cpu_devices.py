@@ -49,7 +49,7 @@ def _measure(cpu_devices: str) -> tuple[float, float, int]:
   # The device count is what is compared: drop one the caller may have set.
   env["XLA_FLAGS"] = " ".join(
       flag for flag in env.get("XLA_FLAGS", "").split()
-      if not flag.startswith("--xla_force_host_platform_device_count"))
+      if not flag.startswith(host.CPU_DEVICE_COUNT_FLAG))
   command = [sys.executable, os.path.join(ROOT, "benchmarks",
                                           "train_throughput.py"),
              f"--config={_CONFIG.value}", f"--config.cpu_devices={cpu_devices}",
