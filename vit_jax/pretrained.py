@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import scipy.ndimage
+from etils import epath  # orbax's path type; installed with orbax
 from flax import traverse_util
 
 from vit_jax import npz_checkpoints, state_dict_files, torch_checkpoints
@@ -46,13 +47,18 @@ def _orbax_params(path: str) -> dict:
         "workdir, its checkpoints/ folder or one step folder.")
   try:
     # Restored as host numpy arrays, so a checkpoint written on any mesh,
-    # device count or number of hosts reads anywhere.
-    checkpointer = ocp.PyTreeCheckpointer()
-    stored = checkpointer.metadata(item).item_metadata.tree
-    as_numpy = jax.tree.map(
-        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), stored)
-    restored = checkpointer.restore(
-        item, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+    # device count or number of hosts reads anywhere. Read by the handler: a
+    # Checkpointer would look for the step's _CHECKPOINT_METADATA inside the
+    # item folder and warn that it is absent.
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+      stored = handler.metadata(epath.Path(item)).tree
+      as_numpy = jax.tree.map(
+          lambda _: ocp.RestoreArgs(restore_type=np.ndarray), stored)
+      restored = handler.restore(
+          epath.Path(item), args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+    finally:
+      handler.close()
   except Exception as e:  # pylint: disable=broad-except
     raise CheckpointFormatError(
         f"Cannot read the Orbax checkpoint {item}: {type(e).__name__}: "
