@@ -96,6 +96,10 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   config.eval_batch_size = 500
   config.num_epochs = 100
   config.num_train_steps = config_dict.placeholder(int)  # overrides epochs
+  # Train as many steps as fit this many wall minutes (at most the epochs or
+  # steps above), planned from the speed of the first steps; 0: off.
+  # The plan is kept in workdir/time_plan.json for resuming (budget.py).
+  config.time_budget_minutes = 0.0
   config.learning_rate = 1e-3
   config.end_learning_rate = 1e-5
   config.schedule = "cosine"  # decay after warm-up: "cosine" or "linear"

@@ -8,6 +8,7 @@ around them.
 """
 
 import functools
+import os
 import time
 from typing import Any, Callable
 
@@ -20,9 +21,9 @@ import optax
 from flax.training import train_state
 from jax.experimental import multihost_utils
 
-from vit_jax import (augment, checkpoints, datasets, host, input_pipeline,
-                     metric_writer, mixing, optim, preemption, pretrained,
-                     sharding, tools, validation, variants)
+from vit_jax import (augment, budget, checkpoints, datasets, host,
+                     input_pipeline, metric_writer, mixing, optim, preemption,
+                     pretrained, sharding, tools, validation, variants)
 
 
 _MAX_STEPS_IN_FLIGHT = 2
@@ -271,17 +272,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
 
   Returns the metrics of the last evaluation. Holds a lock on `workdir`
   while it runs; on SIGTERM/SIGINT it checkpoints the current step and
-  raises `preemption.Preempted`.
+  raises `preemption.Preempted`. With config.time_budget_minutes, the number
+  of steps is planned to fit that wall time from this call on (budget.py).
   """
+  start_time = time.perf_counter()
   host.split_cpu_into_devices(config.cpu_devices)  # if JAX has not started
   validation.validate_config(config)
   with checkpoints.locked_workdir(workdir), \
       preemption.StopSignals() as stop:
-    return _train_and_evaluate(config, workdir, stop)
+    return _train_and_evaluate(config, workdir, stop, start_time)
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                        stop: preemption.StopSignals) -> dict[str, float]:
+                        stop: preemption.StopSignals, start_time: float
+                        ) -> dict[str, float]:
   mesh = sharding.make_mesh(config.mesh)
   sharding.check_batch_size(config.batch_size, mesh, "batch_size")
   sharding.check_batch_size(config.eval_batch_size, mesh, "eval_batch_size")
@@ -302,6 +306,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     raise ValueError(f"config.batch_size={config.batch_size} exceeds the "
                      f"{num_train} training examples; lower it.")
   total_steps = config.num_train_steps or config.num_epochs * steps_per_epoch
+  time_plan = (budget.read_plan(workdir) if config.time_budget_minutes
+               else None)
+  if time_plan is not None:
+    total_steps = int(time_plan["total_steps"])
+    log(f"Time budget: training to step {total_steps}, as planned in "
+        f"{os.path.join(workdir, budget.PLAN_FILE)}.")
   flip = (dataset.flip if config.random_flip is None else config.random_flip)
   mean, std = augment.pixel_stats(config.normalization, dataset)
   height, width, channels = dataset.image_shape
@@ -325,8 +335,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   log(f"Model: {config.model.name}, {num_params:,} parameters; "
       f"{mesh.size} device(s) ({jax.devices()[0].platform}) in "
       f"{jax.process_count()} process(es), mesh "
-      f"{dict(mesh.shape)}; {total_steps} steps of batch "
-      f"{config.batch_size} ({steps_per_epoch} per epoch).")
+      f"{dict(mesh.shape)}; "
+      f"{'at most ' if config.time_budget_minutes and not time_plan else ''}"
+      f"{total_steps} steps of batch {config.batch_size} ({steps_per_epoch} "
+      "per epoch).")
 
   # Resume.
   manager = checkpoints.make_manager(workdir, config.keep_checkpoints)
@@ -347,6 +359,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   pending = []  # per-step metrics, still on device
   eval_metrics = {}
   timer_start, timer_step, paused = time.perf_counter(), start_step, 0.0
+  # With a time budget and no plan yet: the step after which to make one.
+  plan_after = (start_step + 1 + budget.MEASURED_STEPS
+                if config.time_budget_minutes and time_plan is None else None)
+  step_ends = []  # times at which the steps before the plan returned
+  first_step_seconds = None
 
   def check_finite(step):
     """Raises if a pending step's loss or gradient is NaN/Inf, unless such
@@ -408,9 +425,47 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       metrics.update(ema_loss=ema["loss"], ema_accuracy=ema["accuracy"])
     return metrics
 
+  def plan_time_budget(done):
+    """Fixes total_steps to fit the time budget (budget.py); the schedule
+    and the steps are rebuilt for it."""
+    nonlocal total_steps, learning_rate_fn, state, train_fn, eval_fn
+
+    def time_evaluation():
+      # One batch compiles the eval step, then one evaluation as training
+      # runs them.
+      test_batch = next(input_pipeline.eval_batches(
+          dataset.test_images, dataset.test_labels, config.eval_batch_size,
+          mesh))
+      tick = time.perf_counter()
+      jax.block_until_ready(eval_fn(state, *test_batch))
+      compile_seconds = time.perf_counter() - tick
+      tick = time.perf_counter()
+      evaluate_all(state)
+      return compile_seconds, time.perf_counter() - tick
+
+    def time_save():  # a real checkpoint of step `done`, written through
+      check_finite(done)
+      tick = time.perf_counter()
+      checkpoints.save(manager, state)
+      manager.wait_until_finished()
+      return time.perf_counter() - tick
+
+    total_steps = budget.plan(
+        config, workdir, done=done, step_ends=step_ends,
+        first_step_seconds=first_step_seconds,
+        elapsed_seconds=time.perf_counter() - start_time,
+        time_evaluation=time_evaluation, time_save=time_save,
+        steps_per_epoch=steps_per_epoch, upper_bound=total_steps)
+    learning_rate_fn = optim.learning_rate_schedule(config, total_steps,
+                                                    steps_per_epoch)
+    state = state.replace(tx=optim.make_optimizer(config, learning_rate_fn))
+    train_fn, eval_fn = compile_steps(config, mesh, shardings_of(state), mean,
+                                      std, flip, learning_rate_fn)
+
   best_accuracy = checkpoints.best_accuracy(workdir)  # read before any write
   try:
-    for step in range(start_step, total_steps):
+    step = start_step
+    while step < total_steps:  # a time budget may change total_steps
       state, metrics = train_fn(state, *next(batches))
       pending.append(metrics)
       done = step + 1
@@ -421,9 +476,16 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         jax.block_until_ready(pending[-_MAX_STEPS_IN_FLIGHT - 1]["loss"])
       if step == start_step:  # keep compilation out of the throughput figure
         jax.block_until_ready(metrics)
+        first_step_seconds = time.perf_counter() - timer_start
         log(f"Compiled and ran the first train step in "
-            f"{time.perf_counter() - timer_start:.1f} s.")
+            f"{first_step_seconds:.1f} s.")
         timer_start, timer_step = time.perf_counter(), done
+      if plan_after is not None and done <= plan_after:
+        step_ends.append(time.perf_counter())
+        if done == plan_after and done < total_steps:
+          pause_start = time.perf_counter()
+          plan_time_budget(done)
+          paused += time.perf_counter() - pause_start
       if done % config.log_every_steps == 0 or done == total_steps:
         flush(done)
       epoch = done // steps_per_epoch
@@ -452,6 +514,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       if stop_signal is not None:
         manager.wait_until_finished()
         raise preemption.Preempted(stop_signal, done, manager.directory)
+      step = done
     if not eval_metrics:  # nothing left to train: report the restored state
       eval_metrics = evaluate_all(state)
   finally:

@@ -84,6 +84,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(
         f"config.accum_steps={config.accum_steps} must be >= 1 and divide "
         f"config.batch_size={config.batch_size}.")
+  if config.time_budget_minutes < 0:
+    raise ValueError(f"config.time_budget_minutes={config.time_budget_minutes}"
+                     " must be >= 0 (0: train num_epochs or num_train_steps).")
   if config.image_size is not None and config.image_size <= 0:
     raise ValueError(f"config.image_size={config.image_size} must be "
                      "positive (or None to keep the dataset's size).")
