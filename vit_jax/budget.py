@@ -2,14 +2,14 @@
 
 A fixed number of epochs takes twice as long on a machine half as fast, so
 a config meant for "15 minutes" either overruns or leaves time unused. With
-a budget, the trainer runs its first steps on the schedule of the
-upper bound (`num_epochs` or `num_train_steps`), measures a step and an
-evaluation, then fixes the number of steps that fit: the learning-rate
-schedule is rebuilt for it (one more compile) and training goes on. The
-first steps are warm-up steps, which do not depend on the schedule's length
-as long as the warm-up lasts longer than the measurement, so the run is then
-the one that would have been configured with that many steps from the
-start.
+a budget, the trainer runs its first steps on the schedule of the upper
+bound (`num_epochs` or `num_train_steps`), measures a step, an evaluation
+and a checkpoint save, then fixes the number of steps that fit: the
+learning-rate schedule is rebuilt for it (one more compile) and training
+goes on. The first steps are warm-up steps, which do not depend on the
+schedule's length as long as the warm-up lasts longer than the measurement,
+so the run is then the one that would have been configured with that many
+steps from the start.
 
 The plan is written to `workdir/time_plan.json` before training goes on; a
 resumed run reads it and trains to the same step, whatever the speed of the
@@ -32,8 +32,8 @@ from vit_jax import metric_writer
 PLAN_FILE = "time_plan.json"
 # Steps timed after the first (compiling) one, before the plan is made.
 MEASURED_STEPS = 20
-# Planned to end this fraction of the budget early: speed drifts by a few
-# per cent within a run, and the last checkpoint write is not measured.
+# Planned to end this fraction of the budget early: the speed of a step
+# drifts by a few per cent within a run.
 SAFETY_FRACTION = 0.03
 
 
