@@ -1,8 +1,9 @@
 """Recipe options: drop path, 2-D sin-cos embeddings, LAMB, layer-wise lr
-decay, linear decay, EMA, and the trainer with all of them on."""
+decay, linear decay, EMA, SAM, and the trainer with all of them on."""
 
 import flax.linen as nn
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -143,12 +144,56 @@ def test_ema_follows_the_formula_and_is_evaluated(tmp_path):
   assert 0.0 <= metrics["ema_accuracy"] <= 1.0 and "ema_loss" in metrics
 
 
+def _sgd_step(params, rho):
+  """One train_step with plain SGD (lr 0.5) on a fixed 8-image batch."""
+  model = small_vit(num_layers=1)
+  rng = np.random.default_rng(0)
+  images = jnp.asarray(rng.integers(0, 256, (8, 16, 16, 3)), jnp.uint8)
+  labels = jnp.asarray(rng.integers(0, 10, 8), jnp.int32)
+  state = train.TrainState.create(apply_fn=model.apply, params=params,
+                                  tx=optax.sgd(0.5), rng=jax.random.PRNGKey(1))
+  step = jax.jit(lambda state: train.train_step(
+      state, images, labels, preprocess=lambda x, key: x / 255.0,
+      label_smoothing=0.0, learning_rate_fn=lambda step: 0.5, sam_rho=rho))
+  new_state, metrics = step(state)
+  return model, images / 255.0, labels, new_state, metrics
+
+
+def test_sam_steps_with_the_gradient_at_the_ascended_params():
+  params = small_vit(num_layers=1).init(
+      jax.random.PRNGKey(0), jnp.zeros((1, 16, 16, 3)))["params"]
+  rho = 0.5
+  model, inputs, labels, sam_state, sam_metrics = _sgd_step(params, rho)
+  _, _, _, plain_state, plain_metrics = _sgd_step(params, 0.0)
+
+  def loss(params):  # written out, not train.cross_entropy
+    log_probs = jax.nn.log_softmax(model.apply({"params": params}, inputs))
+    return -jnp.mean(jnp.take_along_axis(log_probs, labels[:, None], 1))
+
+  flat = lambda tree: np.asarray(jax.flatten_util.ravel_pytree(tree)[0])
+  unflatten = jax.flatten_util.ravel_pytree(params)[1]
+  gradient = jax.grad(loss)(params)
+  direction = flat(gradient) / np.linalg.norm(flat(gradient))
+  ascended = unflatten(flat(params) + rho * direction)
+  expected = flat(params) - 0.5 * flat(jax.grad(loss)(ascended))
+  np.testing.assert_allclose(flat(sam_state.params), expected, atol=2e-6)
+  np.testing.assert_allclose(flat(plain_state.params),
+                             flat(params) - 0.5 * flat(gradient), atol=2e-6)
+  # The two updates differ by far more than the tolerance, and the metrics
+  # are those at the params in both.
+  assert np.abs(flat(sam_state.params) - flat(plain_state.params)).max() > 1e-3
+  assert float(sam_metrics["loss"]) == pytest.approx(float(loss(params)),
+                                                     rel=1e-5)
+  assert float(sam_metrics["loss"]) == pytest.approx(
+      float(plain_metrics["loss"]), rel=1e-6)
+
+
 @pytest.mark.slow
 def test_trainer_runs_with_every_recipe_component(tmp_path):
   config = small_config(
       auto_augment="trivialaugment", random_erasing=0.25, mixup_alpha=0.8,
       cutmix_alpha=1.0, optimizer="lamb", layer_decay=0.75,
-      schedule="linear", ema_decay=0.99, num_train_steps=4,
+      schedule="linear", ema_decay=0.99, sam_rho=0.05, num_train_steps=4,
       checkpoint_every_steps=2)
   config.model.drop_path_rate = 0.1
   config.model.posemb = "sincos2d"
@@ -167,6 +212,7 @@ def test_trainer_runs_with_every_recipe_component(tmp_path):
     ("mixup_alpha", -1.0, "mixup_alpha"),
     ("layer_decay", 0.0, "layer_decay"),
     ("ema_decay", 1.0, "ema_decay"),
+    ("sam_rho", -0.05, "sam_rho"),
     ("randaugment_magnitude", 11.0, "randaugment_magnitude"),
 ])
 def test_bad_recipe_values_are_named(key, value, message):

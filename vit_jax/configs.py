@@ -121,6 +121,10 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   # True skips that step's update instead and logs it.
   config.skip_nonfinite_steps = False
   config.label_smoothing = 0.1
+  # Sharpness-aware minimisation: each update takes the gradient at the
+  # params moved sam_rho along the normalised gradient (two passes a step);
+  # 0 disables, e.g. 0.05.
+  config.sam_rho = 0.0
 
   # Bookkeeping.
   config.log_every_steps = 50

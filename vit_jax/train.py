@@ -91,7 +91,7 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
                label_smoothing: float, learning_rate_fn: optax.Schedule,
                accum_steps: int = 1, skip_nonfinite: bool = False,
                mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
-               ema_decay: float = 0.0
+               ema_decay: float = 0.0, sam_rho: float = 0.0
                ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step on a uint8 batch (B, H, W, C) with int labels (B,).
 
@@ -104,7 +104,11 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
   one micro-batch's activations live at a time) whose mean gradient makes
   the single update, equal to the whole batch's gradient. With
   skip_nonfinite, a step whose loss or gradient is NaN/Inf leaves params and
-  optimizer state unchanged (the step counter still advances).
+  optimizer state unchanged (the step counter still advances). With
+  sam_rho > 0 (sharpness-aware minimisation, Foret et al. 2021) the update
+  uses the gradient at params + sam_rho * g / |g|, g the batch's (or
+  micro-batch's) gradient, on the same inputs and dropout: two forward and
+  backward passes per step. Loss and accuracy are those at the params.
   """
   step_key = jax.random.fold_in(state.rng, state.step)
 
@@ -125,6 +129,12 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
 
     (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         state.params)
+    if sam_rho:
+      # The global norm: under jit the gradient is already the whole
+      # (micro-)batch's, so every device climbs to the same point.
+      scale = sam_rho / (optax.global_norm(grads) + 1e-12)
+      ascended = jax.tree.map(lambda p, g: p + scale * g, state.params, grads)
+      grads, _ = jax.grad(loss_fn, has_aux=True)(ascended)
     return grads, loss, jnp.mean(jnp.argmax(logits, -1) == labels)
 
   if accum_steps == 1:
@@ -208,7 +218,7 @@ def compile_steps(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
           accum_steps=config.accum_steps,
           skip_nonfinite=config.skip_nonfinite_steps,
           mixup_alpha=config.mixup_alpha, cutmix_alpha=config.cutmix_alpha,
-          ema_decay=config.ema_decay),
+          ema_decay=config.ema_decay, sam_rho=config.sam_rho),
       in_shardings=(state_sharding, batch, batch),
       out_shardings=(state_sharding, replicated),
       donate_argnums=0)

@@ -70,7 +70,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         config[key])
     if not 0.0 <= value < 1.0:
       raise ValueError(f"config.{key}={value} must be in [0, 1).")
-  for key in ("mixup_alpha", "cutmix_alpha"):
+  for key in ("mixup_alpha", "cutmix_alpha", "sam_rho"):
     if config[key] < 0:
       raise ValueError(f"config.{key}={config[key]} must be >= 0 (0 "
                        "disables it).")
