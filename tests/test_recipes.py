@@ -144,9 +144,8 @@ def test_ema_follows_the_formula_and_is_evaluated(tmp_path):
   assert 0.0 <= metrics["ema_accuracy"] <= 1.0 and "ema_loss" in metrics
 
 
-def _sgd_step(params, rho):
+def _sgd_step(model, params, rho):
   """One train_step with plain SGD (lr 0.5) on a fixed 8-image batch."""
-  model = small_vit(num_layers=1)
   rng = np.random.default_rng(0)
   images = jnp.asarray(rng.integers(0, 256, (8, 16, 16, 3)), jnp.uint8)
   labels = jnp.asarray(rng.integers(0, 10, 8), jnp.int32)
@@ -156,22 +155,23 @@ def _sgd_step(params, rho):
       state, images, labels, preprocess=lambda x, key: x / 255.0,
       label_smoothing=0.0, learning_rate_fn=lambda step: 0.5, sam_rho=rho))
   new_state, metrics = step(state)
-  return model, images / 255.0, labels, new_state, metrics
+  return images / 255.0, labels, new_state, metrics
 
 
 def test_sam_steps_with_the_gradient_at_the_ascended_params():
-  params = small_vit(num_layers=1).init(
-      jax.random.PRNGKey(0), jnp.zeros((1, 16, 16, 3)))["params"]
+  model = small_vit(num_layers=1)
+  params = model.init(jax.random.PRNGKey(0),
+                      jnp.zeros((1, 16, 16, 3)))["params"]
   rho = 0.5
-  model, inputs, labels, sam_state, sam_metrics = _sgd_step(params, rho)
-  _, _, _, plain_state, plain_metrics = _sgd_step(params, 0.0)
+  inputs, labels, sam_state, sam_metrics = _sgd_step(model, params, rho)
+  _, _, plain_state, plain_metrics = _sgd_step(model, params, 0.0)
 
   def loss(params):  # written out, not train.cross_entropy
     log_probs = jax.nn.log_softmax(model.apply({"params": params}, inputs))
     return -jnp.mean(jnp.take_along_axis(log_probs, labels[:, None], 1))
 
-  flat = lambda tree: np.asarray(jax.flatten_util.ravel_pytree(tree)[0])
   unflatten = jax.flatten_util.ravel_pytree(params)[1]
+  flat = lambda tree: np.asarray(jax.flatten_util.ravel_pytree(tree)[0])
   gradient = jax.grad(loss)(params)
   direction = flat(gradient) / np.linalg.norm(flat(gradient))
   ascended = unflatten(flat(params) + rho * direction)
