@@ -258,6 +258,22 @@ def test_predict_png_matches_the_model_on_the_array(trained_run, tmp_path):
   assert os.path.exists(tmp_path / "attention" / "image0_attention.png")
 
 
+def test_eval_flip_average_makes_the_tools_average_image_and_mirror(
+    trained_run):
+  config, workdir, _ = trained_run
+  trained = tools.load_trained(config, workdir)
+  flipped_config = config.copy_and_resolve_references()
+  flipped_config.eval_flip_average = True
+  averaging = tools.load_trained(flipped_config, workdir)
+  images = np.random.default_rng(0).integers(0, 256, (4, 16, 16, 3)).astype(
+      np.uint8)
+  plain = np.asarray(trained.logits(images))
+  mirrored = np.asarray(trained.logits(images[:, :, ::-1]))
+  np.testing.assert_allclose(averaging.logits(images), (plain + mirrored) / 2,
+                             rtol=1e-5, atol=1e-6)
+  assert np.abs(plain - mirrored).max() > 1e-3  # the mirror really differs
+
+
 def test_predict_resizes_any_image_and_rejects_bad_files(trained_run,
                                                          tmp_path):
   config, workdir, _ = trained_run

@@ -106,6 +106,37 @@ def test_eval_step_ignores_padding():
   assert float(masked["count"]) == 5
 
 
+def test_eval_flip_average_classifies_by_the_mean_logits_of_image_and_mirror():
+  mesh = sharding.make_mesh()
+  put = lambda x: sharding.to_global_batch(mesh, x)
+  config = small_config(eval_flip_average=True)
+  dataset, state, _, eval_fn = _build(config, mesh)
+  # The classifier starts at zero (all logits equal): give it random weights.
+  head = state.params["head"]
+  random_head = {"kernel": jax.random.normal(jax.random.PRNGKey(1),
+                                             head["kernel"].shape),
+                 "bias": head["bias"]}
+  params = dict(state.params, head=jax.device_put(
+      random_head, jax.tree.map(lambda x: x.sharding, head)))
+  state = state.replace(params=params)
+  images, labels = dataset.test_images[:16], dataset.test_labels[:16]
+  mask = np.ones(16, np.float32)
+  sums = eval_fn(state, put(images), put(labels), put(mask))
+
+  model = variants.build_model(config.model, dataset.num_classes)
+  mean, std = dataset.channel_stats()
+  host_params = jax.device_get(params)
+  logits_of = lambda pixels: np.asarray(model.apply(
+      {"params": host_params}, (pixels.astype(np.float32) - mean) / std))
+  logits = (logits_of(images) + logits_of(images[:, :, ::-1])) / 2
+  log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  np.testing.assert_allclose(  # evaluation loss: no label smoothing
+      float(sums["loss_sum"]), -log_probs[np.arange(16), labels].sum(),
+      rtol=1e-5)
+  assert int(sums["correct"]) == (logits.argmax(-1) == labels).sum()
+  assert np.abs(logits - logits_of(images)).max() > 1e-3  # mirrors differ
+
+
 def test_weight_decay_mask_spares_biases_norms_and_embeddings():
   config = small_config()
   model = variants.build_model(config.model, 10)

@@ -5,6 +5,8 @@ augmented and normalised there, where XLA fuses it into the step; a 2-core
 host never has to touch a float pixel.
 """
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,6 +69,17 @@ def random_flip(images: jax.Array, key: jax.Array) -> jax.Array:
   """Mirrors each image left-right with probability 1/2. (B, H, W, C)."""
   flip = jax.random.bernoulli(key, 0.5, (images.shape[0], 1, 1, 1))
   return jnp.where(flip, images[:, :, ::-1], images)
+
+
+def mirror_averaged(logits_fn: Callable[[jax.Array], jax.Array],
+                    images: jax.Array) -> jax.Array:
+  """Mean of `logits_fn` over each image and its left-right mirror image.
+
+  Test-time augmentation for classes that look alike mirrored (garments,
+  animals; not digits or text). images (B, H, W, C) -> logits (B, K); costs
+  two forward passes.
+  """
+  return (logits_fn(images) + logits_fn(images[:, :, ::-1])) / 2
 
 
 def normalize(images: jax.Array, mean: np.ndarray, std: np.ndarray,

@@ -39,6 +39,9 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   config.random_resized_crop = False
   config.min_crop_area = 0.05
   config.random_flip = config_dict.placeholder(bool)  # None: dataset default
+  # Evaluation (and the report, predict, attention tools) classify by the
+  # mean logits of each image and its mirror image: 2x the eval forward.
+  config.eval_flip_average = False
   # After crop and flip: "randaugment" (randaugment_num_ops operations at
   # randaugment_magnitude, 0-10) or "trivialaugment" (one operation, random
   # magnitude), on device; see vit_jax/randaugment.py. "none" disables.

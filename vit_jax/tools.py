@@ -52,11 +52,14 @@ class TrainedModel:
   image_shape: tuple[int, int, int]  # model input (H, W, C)
   mean: np.ndarray
   std: np.ndarray
+  flip_average: bool = False  # mean logits of each image and its mirror
 
   def __post_init__(self):
     def logits(params, images):
       inputs = augment.normalize(images, self.mean, self.std)
-      return self.model.apply({"params": params}, inputs)
+      logits_fn = lambda x: self.model.apply({"params": params}, x)
+      return (augment.mirror_averaged(logits_fn, inputs) if self.flip_average
+              else logits_fn(inputs))
     self._logits = jax.jit(logits)  # compiled once per input shape
 
   def logits(self, images: jax.Array) -> jax.Array:
@@ -96,7 +99,8 @@ def load_trained(config: ml_collections.ConfigDict, workdir: str
                       class_names=list(info["class_names"]),
                       image_shape=tuple(info["image_shape"]),
                       mean=np.asarray(info["mean"], np.float32),
-                      std=np.asarray(info["std"], np.float32))
+                      std=np.asarray(info["std"], np.float32),
+                      flip_average=config.eval_flip_average)
 
 
 def summary(config: ml_collections.ConfigDict, num_classes: int = 10) -> str:

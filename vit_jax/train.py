@@ -179,11 +179,17 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
 
 def eval_step(state: TrainState, images: jax.Array, labels: jax.Array,
               mask: jax.Array, *,
-              preprocess: Callable[[jax.Array], jax.Array]
-              ) -> dict[str, jax.Array]:
-  """Sums of loss and correct predictions over the real (mask=1) examples."""
-  logits = state.apply_fn({"params": state.params}, preprocess(images),
-                          train=False)
+              preprocess: Callable[[jax.Array], jax.Array],
+              flip_average: bool = False) -> dict[str, jax.Array]:
+  """Sums of loss and correct predictions over the real (mask=1) examples.
+
+  flip_average: classify by the mean logits of each image and its mirror.
+  """
+  logits_fn = lambda inputs: state.apply_fn({"params": state.params},
+                                            inputs, train=False)
+  inputs = preprocess(images)
+  logits = (augment.mirror_averaged(logits_fn, inputs) if flip_average
+            else logits_fn(inputs))
   correct = jnp.argmax(logits, -1) == labels
   return {"loss_sum": jnp.sum(cross_entropy(logits, labels) * mask),
           "correct": jnp.sum(correct * mask),
@@ -226,7 +232,8 @@ def compile_steps(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
       functools.partial(
           eval_step, preprocess=functools.partial(
               augment.eval_preprocess, mean=mean, std=std,
-              image_size=config.image_size)),
+              image_size=config.image_size),
+          flip_average=config.eval_flip_average),
       in_shardings=(state_sharding, batch, batch, batch),
       out_shardings=replicated)
   return train_fn, eval_fn
@@ -342,7 +349,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                              config.seed, mesh, config.fsdp_min_size,
                              ema=config.ema_decay > 0)
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
-  log(f"Model: {config.model.name}, {num_params:,} parameters; "
+  dims = config.model  # the name's dims may have been overridden: say them
+  log(f"Model: {dims.name} (patch {dims.patch_size}, width {dims.hidden_size}"
+      f", {dims.num_layers} layers, {dims.num_heads} heads, MLP "
+      f"{dims.mlp_dim}), {num_params:,} parameters; "
       f"{mesh.size} device(s) ({jax.devices()[0].platform}) in "
       f"{jax.process_count()} process(es), mesh "
       f"{dict(mesh.shape)}; "
