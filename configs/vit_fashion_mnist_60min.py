@@ -2,39 +2,43 @@ r"""Fashion-MNIST from scratch in 60 minutes of a 2-core CPU.
 
   python benchmarks/fashion_mnist.py --config=configs/vit_fashion_mnist_60min.py
 
-The recipe of configs/vit_fashion_mnist_15min.py (ViT-Mini/7: patch 7,
-4x4 = 16 tokens, width 128, 6 layers, 4 heads, MLP 512, mean-pooled tokens,
+The recipe of configs/vit_fashion_mnist_15min.py (ViT-Micro/4: patch 4,
+7x7 = 49 tokens, width 64, 6 layers, 4 heads, MLP 128, mean-pooled tokens,
 2-D sin-cos position embeddings, shifted patch tokens and locality
-self-attention; flip, label smoothing, EMA) for 24 epochs, or as many as
-fit 60 minutes where 24 do not (`time_budget_minutes`: the trainer measures
-its first steps and plans the schedule to the budget), with a longer
-warm-up and a longer EMA horizon.
+self-attention; flip, label smoothing, EMA; test images classified together
+with their mirror images) for 24 epochs, or as many as fit 60 minutes where
+24 do not (`time_budget_minutes`: the trainer measures its first steps and
+plans the schedule to the budget), with a longer warm-up and a longer EMA
+horizon.
 
 Measured here as now (2-core CPU, a device per core, in a session whose
-GEMM rate was half the usual): the plan after 21 steps was 319 ms per
-step, 14.6 s per evaluation and 2.3 s per checkpoint, so 20.88 epochs;
-test accuracy 90.5% (EMA 90.6%) in 57.3 wall minutes, data loading and
-compilation included; the EMA stood at 90.5-90.6% from epoch 16 on;
+GEMM rate was half the best seen on this machine): the plan after 21 steps was 285 ms per
+step, 30.6 s per evaluation and 2.2 s per checkpoint, so 20.71 epochs;
+test accuracy 91.5% (EMA 91.5%), data loading and compilation included,
+after 68.3 wall minutes, late because test runs of mine shared the two
+cores for about 21 of them and the steps ran 8% slower than planned (the
+trainer now keeps an 8% margin, not 3%); 91.4% (EMA 91.5%) already at
+epoch 18, after 56.7 minutes;
 per-epoch curve in docs/fashion_mnist_60min.png. Short of the 94% target
-(README). On a faster day, before the time budget and with one
-multi-threaded device: 90.3% (EMA 90.5%) after 24 epochs in 37.8 minutes,
-the EMA peaking at 90.7% at epoch 18. Without
-shifted patches and locality attention: 90.1% (EMA 90.0%) in 44.6 minutes
-(a slower session). The model overfits by the end (training accuracy 98%),
-but regularising it did not raise the test accuracy: stochastic depth 0.1
-and random erasing 0.25 gave 90.5% (EMA 90.5%) in 38.2 minutes, and a
-random 2-pixel shift (`--config.crop_padding=2`, without the two add-ons)
-89.5% (EMA 89.3%).
-The ablations above ran with one multi-threaded CPU device for 24 epochs;
-the config makes the CPU a device per core (`cpu_devices=-1`, as the
-15-minute one, where it made the train step 1.2-1.5x faster).
+(README). The same run without the flip average, in the same session: the
+24 epochs fitted (plan 248 ms per step); 90.6% (EMA 90.8%) in 56.9 minutes,
+the EMA peaking at 91.1% at epoch 19, then slipping as the model overfits
+(training accuracy 97.5%); the flip average lifts its final params from
+90.63% to 91.64%.
+
+With ViT-Mini/7 (patch 7, width 128, MLP 512, 1.2 M parameters), the model of
+this config until now, in an equally slow session: 90.5% (EMA 90.6%) in
+57.3 minutes (20.88 planned epochs), the EMA flat at 90.5-90.6% from epoch
+16 on. Regularising that model did not raise its test accuracy: stochastic
+depth 0.1 and random erasing 0.25 gave 90.5% (EMA 90.5%), a random 2-pixel
+shift 89.5% (EMA 89.3%), sharpness-aware minimisation 90.4% (EMA 90.35%).
 """
 
 from vit_jax import configs
 
 
 def get_config():
-  config = configs.base_config("ViT-Mini/7")
+  config = configs.base_config("ViT-Micro/4")
   config.dataset = "fashion_mnist"
   config.model.classifier = "gap"
   config.model.posemb = "sincos2d"
@@ -50,6 +54,7 @@ def get_config():
   config.ema_decay = 0.999
   config.crop_padding = 0
   config.random_flip = True  # garments are left-right symmetric
+  config.eval_flip_average = True  # and so classified from both sides
   config.eval_batch_size = 1000
   config.cpu_devices = -1  # a device per core: small matmuls (README)
   config.log_every_steps = 100

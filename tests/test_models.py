@@ -43,7 +43,8 @@ def test_output_shape_and_dtype(classifier, image_shape):
                                              ("ViT-S/32", 96),
                                              ("ViT-Ti/4", 32),
                                              ("ViT-Mini/4", 28),
-                                             ("ViT-Mini/7", 28)])
+                                             ("ViT-Mini/7", 28),
+                                             ("ViT-Micro/4", 28)])
 def test_named_variants_run(name, image_size):
   model = variants.build_model(variants.get_variant(name), num_classes=7)
   channels = 1 if image_size == 28 else 3
