@@ -1,13 +1,15 @@
 """Training to a wall-time budget: the plan's arithmetic, and a planned run."""
 
+import itertools
 import json
 import os
 
 import chex
+import numpy as np
 import pytest
 
 from helpers import small_config
-from vit_jax import budget, metric_writer, pretrained, train
+from vit_jax import budget, metric_writer, optim, pretrained, train
 
 
 def _trainer_events(done, total, every_steps):
@@ -41,9 +43,144 @@ def test_plan_is_the_longest_run_that_fits(budget_seconds, upper_bound):
   planned = budget.plan_total_steps(budget_seconds=budget_seconds,
                                     upper_bound=upper_bound, **measured)
   available = budget_seconds * (1 - budget.SAFETY_FRACTION)
-  fitting = [n for n in range(22, upper_bound + 1) if predicted(n) <= available]
+  # predicted() grows with n: the runs that fit are the first ones.
+  fitting = list(itertools.takewhile(lambda n: predicted(n) <= available,
+                                     range(22, upper_bound + 1)))
   assert planned == (max(fitting) if fitting else 22)
   assert 21 < planned <= upper_bound
+
+
+_MEASURED = dict(budget_seconds=900.0, elapsed_seconds=300.0, done=1000,
+                 eval_seconds=20.0, eval_every_steps=500, save_seconds=2.0,
+                 save_every_steps=2000, upper_bound=10_000)
+
+
+def _predicted_end(total, step_seconds, fixed_seconds=0.0):
+  """An independent count of a run's end with _MEASURED, from step 1000."""
+  return (300.0 + fixed_seconds + step_seconds * (total - 1000)
+          + 20.0 * _trainer_events(1000, total, 500)
+          + 2.0 * _trainer_events(1000, total, 2000))
+
+
+def _longest(fits):
+  """The last step count from 1001 on that fits (ends grow with it)."""
+  return max(itertools.takewhile(fits, range(1001, 10_001)))
+
+
+def test_revision_shortens_a_run_that_would_overrun():
+  # Planned to 3000 steps at 0.25 s; the steps now take 0.3 s.
+  assert _predicted_end(3000, 0.3) > 900  # as planned, it would overrun
+  revised = budget.revised_total_steps(total=3000, recompile_seconds=10.0,
+                                       step_seconds=0.3, **_MEASURED)
+  available = 900 * (1 - budget.SAFETY_FRACTION)
+  assert revised == _longest(lambda n: _predicted_end(n, 0.3, 10.0)
+                            <= available)
+
+
+def test_revision_keeps_a_run_on_time_and_lengthens_only_when_it_pays():
+  # The plan still ends inside the budget (if in its margin): kept.
+  on_time = _longest(lambda n: _predicted_end(n, 0.3) <= 890)
+  assert budget.revised_total_steps(total=on_time, recompile_seconds=10.0,
+                                    step_seconds=0.3, **_MEASURED) is None
+  # Faster than planned: lengthened if the steps gained outlast twice the
+  # recompilation, else kept.
+  fitting = _longest(lambda n: _predicted_end(n, 0.3, 10.0)
+                     <= 900 * (1 - budget.SAFETY_FRACTION))
+  assert 0.3 * (fitting - 2000) > 2 * 10.0
+  assert budget.revised_total_steps(total=2000, recompile_seconds=10.0,
+                                    step_seconds=0.3, **_MEASURED) == fitting
+  short = budget.revised_total_steps(total=fitting - 20,
+                                     recompile_seconds=10.0,
+                                     step_seconds=0.3, **_MEASURED)
+  assert short is None  # 20 steps (6 s) do not pay a 10 s recompilation
+
+
+def _warped_by_stepping(schedule, first_total, revisions, last_step):
+  """Reference: walks the schedule a step at a time, each step advancing
+  the schedule's step by what is left of it over the steps left."""
+  values, position, end = [], 0.0, first_total
+  pending = dict(revisions)
+  for step in range(last_step + 1):
+    end = pending.get(step, end)
+    values.append(position)
+    position += (first_total - position) / (end - step) if step < end else 0
+  return np.asarray(schedule(np.array(values)))
+
+
+@pytest.mark.parametrize("revisions", [
+    [], [(300, 800)], [(300, 1400)], [(300, 800), (500, 700)],
+    [(100, 900), (600, 1200), (1100, 1150)]])
+def test_warped_schedule_goes_on_without_a_jump_to_the_new_end(revisions):
+  config = small_config(learning_rate=1e-3, warmup_steps=50)
+  schedule = optim.learning_rate_schedule(config, 1000, 100)
+  warped = budget.warped_schedule(schedule, 1000, revisions)
+  end = revisions[-1][1] if revisions else 1000
+  steps = np.arange(end + 1)
+  values = np.asarray(warped(steps))
+  np.testing.assert_allclose(
+      values, _warped_by_stepping(schedule, 1000, revisions, end),
+      rtol=1e-4, atol=1e-9)
+  # Up to the first revision it is the schedule planned first ...
+  first = revisions[0][0] if revisions else end
+  np.testing.assert_allclose(values[:first + 1],
+                             np.asarray(schedule(steps[:first + 1])),
+                             rtol=1e-6)
+  # ... it has no jump anywhere (a step changes it by at most the largest
+  # step of the warm-up), and it ends where the schedule ends.
+  assert np.abs(np.diff(values)).max() <= 1e-3 / 50 * 1.01
+  np.testing.assert_allclose(values[-1], float(schedule(1000)), atol=1e-9)
+
+
+def test_warp_rejects_revisions_that_do_not_follow_the_plan():
+  with pytest.raises(ValueError, match="does not follow.*delete"):
+    budget.warp_knots(1000, [(1200, 1500)])  # revised after its end
+  with pytest.raises(ValueError, match="does not follow"):
+    budget.warp_knots(1000, [(500, 800), (400, 900)])  # out of order
+
+
+def test_trainer_revises_its_plan_and_warps_its_schedule(tmp_path,
+                                                         monkeypatch, capsys):
+  """A run whose first check finds it would overrun trains to the revised
+  step with the warped schedule, and records the revision in its plan."""
+  checks = []
+
+  def revise_once(*, total, **measured):
+    checks.append(dict(measured, total=total))
+    return measured["done"] + 12 if len(checks) == 1 else None
+
+  monkeypatch.setattr(budget, "revised_total_steps", revise_once)
+  config = small_config(num_epochs=20, warmup_steps=10, log_every_steps=1,
+                        eval_every_epochs=5, time_budget_minutes=60.0,
+                        checkpoint_every_steps=1000)
+  workdir = str(tmp_path)
+  train.train_and_evaluate(config, workdir)
+  with open(os.path.join(workdir, budget.PLAN_FILE)) as f:
+    plan = json.load(f)
+  # 4 steps an epoch, an evaluation every 20 steps: planned (the upper bound
+  # of 80 steps fits) at step 21, timed from step 22, so the evaluation at
+  # step 40 is too early to check (18 steps) and the one at 60 checks.
+  assert plan["first_total_steps"] == 80
+  assert plan["revisions"] == [[60, 72]] and plan["total_steps"] == 72
+  assert [c["done"] for c in checks] == [60]  # then the run ends first
+  assert checks[0]["total"] == 80 and checks[0]["step_seconds"] > 0
+  assert "training to step 72 (18.00 epochs) instead of 80" in (
+      capsys.readouterr().out)
+  train_records = [r for r in metric_writer.read_metrics(workdir)
+                   if r["split"] == "train"]
+  assert train_records[-1]["step"] == 72
+  warped = budget.warped_schedule(
+      optim.learning_rate_schedule(config, 80, 4), 80, [(60, 72)])
+  logged = {r["step"]: r["learning_rate"] for r in train_records}
+  # Step s is logged with the rate its update used, the schedule's at s - 1.
+  np.testing.assert_allclose([logged[s] for s in range(1, 73)],
+                             warped(np.arange(72)), rtol=1e-5, atol=1e-9)
+  # The rates after the revision differ from the unrevised schedule's.
+  unrevised = optim.learning_rate_schedule(config, 80, 4)
+  assert logged[70] < 0.8 * float(unrevised(69))
+  # A resumed run builds its schedule from the plan file: the same rates.
+  from_file = budget.planned_schedule(config, budget.read_plan(workdir), 4)
+  np.testing.assert_allclose(from_file(np.arange(72)), warped(np.arange(72)),
+                             rtol=1e-6, atol=1e-12)
 
 
 def test_plan_file_round_trip_and_damage(tmp_path):
@@ -68,9 +205,11 @@ def test_budgeted_run_equals_a_run_configured_with_its_planned_steps(
   """A budget-bound run (the upper bound of 100,000 epochs does not fit) plans
   during warm-up, trains to its plan, and ends with the params of a run
   given that many steps from the start; resuming reads the plan."""
-  # An evaluation every 200 steps, so that on a loaded machine (CI's other
-  # worker) the steps, not the evaluations, fill what compiling leaves.
-  settings = dict(num_epochs=100_000, eval_every_epochs=50, warmup_steps=40,
+  # No evaluation before the last: on a loaded machine (CI's other worker)
+  # the steps, not the evaluations, fill what compiling leaves, and no
+  # check can revise the plan (the revision is tested above).
+  settings = dict(num_epochs=100_000, eval_every_epochs=100_000,
+                  warmup_steps=40,
                   log_every_steps=10, checkpoint_every_steps=10_000,
                   time_budget_minutes=1.25)
   workdir = str(tmp_path / "budget")
@@ -80,6 +219,7 @@ def test_budgeted_run_equals_a_run_configured_with_its_planned_steps(
     plan = json.load(f)
   planned = plan["total_steps"]
   assert plan["planned_at_step"] == 1 + budget.MEASURED_STEPS
+  assert plan["revisions"] == [] and plan["first_total_steps"] == planned
   # Past the warm-up (which a shorter run would cut), short of the bound.
   assert settings["warmup_steps"] < planned < 100_000 * 4  # 4 steps an epoch
   assert f"training to step {planned} " in log

@@ -16,6 +16,16 @@ resumed run reads it and trains to the same step, whatever the speed of the
 machine it resumes on. A run resumed without a plan makes one from the step
 it resumes at. The budget counts from the call of `train_and_evaluate`
 (data loading and compilation included, Python's start-up not).
+
+The speed of a shared machine drifts: on this project's 2-core VMs the same
+run's steps went 10-20% slower or faster within minutes. So after each
+evaluation the run that made the plan checks it against the speed since the
+last check and revises the step count if it would overrun the budget, or if
+lengthening it pays for the recompilation. A revision time-warps the rest of
+the learning-rate schedule (`warped_schedule`) rather than rebuilding it:
+the schedule goes on from where it is, without a jump, and ends at the new
+step count. Revisions are kept in the plan, so a resumed run rebuilds the
+same schedule.
 """
 
 import json
@@ -23,20 +33,21 @@ import os
 from typing import Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 from jax.experimental import multihost_utils
 
-from vit_jax import metric_writer
+from vit_jax import metric_writer, optim
 
 PLAN_FILE = "time_plan.json"
 # Steps timed after the first (compiling) one, before the plan is made.
 MEASURED_STEPS = 20
-# Planned to end this fraction of the budget early: the speed of a step
-# drifts within a run, and the steady step can be slower than the measured
-# ones (ViT-Micro/4 on Fashion-MNIST, 2 CPU cores: 6-12% in three runs,
-# which overran a 3% margin by up to 0.4 minutes in 15).
-SAFETY_FRACTION = 0.08
+# Planned to end this fraction of the budget early. Revisions correct the
+# plan at each evaluation, so the margin covers the drift of the machine's
+# speed after the last one: a 15% slowdown over the last fifth of the run.
+SAFETY_FRACTION = 0.03
 
 
 def events_between(done: int, total: int, every_steps: int) -> int:
@@ -78,13 +89,78 @@ def plan_total_steps(*, budget_seconds: float, elapsed_seconds: float,
   return low
 
 
+def revised_total_steps(*, total: int, recompile_seconds: float,
+                        **measured) -> Optional[int]:
+  """A new step count for a run planned to `total`, or None to keep it.
+
+  measured: the keyword arguments of plan_total_steps but fixed_seconds,
+  measured now (step_seconds over the steps since the last check). Revised
+  when the run as planned would end past the budget, or when the steps that
+  fit beyond `total` take longer than twice the recompilation a revision
+  costs; then to the longest run that fits, paying that recompilation.
+  """
+  fitting = plan_total_steps(fixed_seconds=recompile_seconds, **measured)
+  as_planned = plan_total_steps(
+      fixed_seconds=0.0, **dict(measured, upper_bound=total,
+                                budget_seconds=measured["budget_seconds"]
+                                / (1.0 - SAFETY_FRACTION)))
+  overruns = as_planned < total  # does not fit even without the margin
+  gain_seconds = (fitting - total) * measured["step_seconds"]
+  if overruns or gain_seconds > 2 * recompile_seconds:
+    return fitting if fitting != total else None
+  return None
+
+
+def warp_knots(first_total_steps: int, revisions: list[tuple[int, int]]
+               ) -> tuple[list[float], list[float]]:
+  """Knots (steps, schedule steps) of the piecewise-linear time warp that
+  the revisions [(at_step, total_steps), ...] make: the identity up to the
+  first revision, then after each one a straight run from where the
+  schedule is to the end of the first plan's schedule at the new total."""
+  steps, schedule_steps = [0.0], [0.0]
+  end = first_total_steps
+  for at_step, total in revisions:
+    if not steps[-1] < at_step < end or total <= at_step:
+      raise ValueError(
+          f"Time plan revision ({at_step}, {total}) does not follow a run "
+          f"planned to step {end} from step {steps[-1]:g}; delete "
+          f"{PLAN_FILE} to plan again.")
+    slope = (first_total_steps - schedule_steps[-1]) / (end - steps[-1])
+    schedule_steps.append(schedule_steps[-1] + (at_step - steps[-1]) * slope)
+    steps.append(float(at_step))
+    end = total
+  return steps + [float(end)], schedule_steps + [float(first_total_steps)]
+
+
+def warped_schedule(schedule: optax.Schedule, first_total_steps: int,
+                    revisions: list[tuple[int, int]]) -> optax.Schedule:
+  """`schedule` (made for first_total_steps) as the revisions warp it."""
+  if not revisions:
+    return schedule
+  steps, schedule_steps = warp_knots(first_total_steps, revisions)
+  steps, schedule_steps = np.float32(steps), np.float32(schedule_steps)
+  return lambda step: schedule(jnp.interp(step, steps, schedule_steps))
+
+
+def planned_schedule(config: ml_collections.ConfigDict, plan: dict,
+                     steps_per_epoch: int) -> optax.Schedule:
+  """The learning-rate schedule of a run trained to `plan`: the one made for
+  the first plan's step count, warped by the plan's revisions."""
+  first_total_steps = int(plan.get("first_total_steps", plan["total_steps"]))
+  return warped_schedule(
+      optim.learning_rate_schedule(config, first_total_steps,
+                                   steps_per_epoch),
+      first_total_steps, [tuple(r) for r in plan.get("revisions", [])])
+
+
 def plan(config: ml_collections.ConfigDict, workdir: str, *, done: int,
          step_ends: list[float], first_step_seconds: float,
          elapsed_seconds: float,
          time_evaluation: Callable[[], tuple[float, float]],
          time_save: Callable[[], float], steps_per_epoch: int,
-         upper_bound: int) -> int:
-  """Plans, saves and logs the number of steps that fit the budget.
+         upper_bound: int) -> dict:
+  """Plans, saves and logs the number of steps that fit the budget; returns
+  the plan (its "total_steps" is the number of steps).
 
   step_ends: the times at which the steps since the first one returned;
   their median interval is the step time, so an evaluation or a save
@@ -109,19 +185,58 @@ def plan(config: ml_collections.ConfigDict, workdir: str, *, done: int,
       save_every_steps=config.checkpoint_every_steps,
       upper_bound=upper_bound)
   planned = int(multihost_utils.broadcast_one_to_all(np.int32(planned)))
+  the_plan = dict(
+      total_steps=planned, epochs=round(planned / steps_per_epoch, 3),
+      time_budget_minutes=config.time_budget_minutes, planned_at_step=done,
+      step_seconds=round(step_seconds, 5),
+      eval_seconds=round(eval_seconds, 3),
+      save_seconds=round(save_seconds, 3),
+      first_total_steps=planned, revisions=[])
   if jax.process_index() == 0:
-    write_plan(workdir, dict(
-        total_steps=planned, epochs=round(planned / steps_per_epoch, 3),
-        time_budget_minutes=config.time_budget_minutes, planned_at_step=done,
-        step_seconds=round(step_seconds, 5),
-        eval_seconds=round(eval_seconds, 3),
-        save_seconds=round(save_seconds, 3)))
+    write_plan(workdir, the_plan)
   metric_writer.log(
       f"Time budget of {config.time_budget_minutes:g} minutes: "
       f"{step_seconds * 1e3:.1f} ms per step, {eval_seconds:.1f} s per "
       f"evaluation, {save_seconds:.1f} s per checkpoint; training to step "
       f"{planned} ({planned / steps_per_epoch:.2f} epochs).")
-  return planned
+  return the_plan
+
+
+def revise(config: ml_collections.ConfigDict, workdir: str, plan: dict, *,
+           done: int, step_seconds: float, eval_seconds: float,
+           recompile_seconds: float, elapsed_seconds: float,
+           steps_per_epoch: int, upper_bound: int) -> bool:
+  """Checks `plan` (as `plan` returned it) at step `done`
+  (revised_total_steps). If it is revised (to process 0's revision, on
+  every process), records the revision in `plan` and its file, logs it and
+  returns True."""
+  total = plan["total_steps"]
+  revised = -1
+  if jax.process_index() == 0:
+    revised = revised_total_steps(
+        total=total, recompile_seconds=recompile_seconds,
+        budget_seconds=60 * config.time_budget_minutes,
+        elapsed_seconds=elapsed_seconds, done=done,
+        step_seconds=step_seconds, eval_seconds=eval_seconds,
+        eval_every_steps=steps_per_epoch * config.eval_every_epochs,
+        save_seconds=plan["save_seconds"],
+        save_every_steps=config.checkpoint_every_steps,
+        upper_bound=upper_bound)
+    revised = -1 if revised is None else revised
+  revised = int(multihost_utils.broadcast_one_to_all(np.int32(revised)))
+  if revised < 0:
+    return False
+  plan["revisions"].append([done, revised])
+  plan.update(total_steps=revised, epochs=round(revised / steps_per_epoch, 3))
+  if jax.process_index() == 0:
+    write_plan(workdir, plan)
+  metric_writer.log(
+      f"Time budget of {config.time_budget_minutes:g} minutes: at step "
+      f"{done}, {step_seconds * 1e3:.1f} ms per step and "
+      f"{eval_seconds:.1f} s per evaluation since the last check; training "
+      f"to step {revised} ({revised / steps_per_epoch:.2f} epochs) instead "
+      f"of {total}, the rest of the schedule warped to end there.")
+  return True
 
 
 def read_plan(workdir: str) -> Optional[dict]:

@@ -322,7 +322,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if steps_per_epoch == 0:
     raise ValueError(f"config.batch_size={config.batch_size} exceeds the "
                      f"{num_train} training examples; lower it.")
-  total_steps = config.num_train_steps or config.num_epochs * steps_per_epoch
+  upper_bound = config.num_train_steps or config.num_epochs * steps_per_epoch
+  total_steps = upper_bound
   time_plan = (budget.read_plan(workdir) if config.time_budget_minutes
                else None)
   if time_plan is not None:
@@ -342,8 +343,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   # Model and optimizer.
   model = variants.build_model(config.model, dataset.num_classes)
-  learning_rate_fn = optim.learning_rate_schedule(config, total_steps,
-                                                  steps_per_epoch)
+  learning_rate_fn = (
+      budget.planned_schedule(config, time_plan, steps_per_epoch) if time_plan
+      else optim.learning_rate_schedule(config, total_steps, steps_per_epoch))
   optimizer = optim.make_optimizer(config, learning_rate_fn)
   state = create_train_state(model, (height, width, channels), optimizer,
                              config.seed, mesh, config.fsdp_min_size,
@@ -384,6 +386,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                 if config.time_budget_minutes and time_plan is None else None)
   step_ends = []  # times at which the steps before the plan returned
   first_step_seconds = None
+  # The run that makes the plan checks it after each evaluation against the
+  # speed since the last check (budget.revise): from `check_mark`, (time,
+  # step, seconds paused so far), set after the first step that follows a
+  # plan or a check, so that a recompilation does not count.
+  check_mark, paused_total, eval_seconds = None, 0.0, None
 
   def check_finite(step):
     """Raises if a pending step's loss or gradient is NaN/Inf, unless such
@@ -448,7 +455,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   def plan_time_budget(done):
     """Fixes total_steps to fit the time budget (budget.py); the schedule
     and the steps are rebuilt for it."""
-    nonlocal total_steps, learning_rate_fn, state, train_fn, eval_fn
+    nonlocal total_steps, learning_rate_fn, time_plan
 
     def time_evaluation():
       # One batch compiles the eval step, then one evaluation as training
@@ -470,17 +477,45 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       manager.wait_until_finished()
       return time.perf_counter() - tick
 
-    total_steps = budget.plan(
+    time_plan = budget.plan(
         config, workdir, done=done, step_ends=step_ends,
         first_step_seconds=first_step_seconds,
         elapsed_seconds=time.perf_counter() - start_time,
         time_evaluation=time_evaluation, time_save=time_save,
         steps_per_epoch=steps_per_epoch, upper_bound=total_steps)
-    learning_rate_fn = optim.learning_rate_schedule(config, total_steps,
-                                                    steps_per_epoch)
+    total_steps = time_plan["total_steps"]
+    learning_rate_fn = budget.planned_schedule(config, time_plan,
+                                               steps_per_epoch)
+    rebuild_steps()
+
+  def rebuild_steps():
+    """The optimizer and the steps for a new learning_rate_fn (the
+    optimizer's state does not depend on it)."""
+    nonlocal state, train_fn, eval_fn, check_mark
     state = state.replace(tx=optim.make_optimizer(config, learning_rate_fn))
     train_fn, eval_fn = compile_steps(config, mesh, shardings_of(state), mean,
                                       std, flip, learning_rate_fn)
+    check_mark = None
+
+  def revise_time_budget(done, train_end):
+    """Revises total_steps if the plan no longer fits (budget.py), timing
+    the steps from check_mark to `train_end`."""
+    nonlocal total_steps, learning_rate_fn, check_mark
+    mark_time, mark_step, mark_paused = check_mark
+    if done - mark_step < budget.MEASURED_STEPS:
+      return  # too few steps to time; the next evaluation checks
+    step_seconds = ((train_end - mark_time - (paused_total - mark_paused))
+                    / (done - mark_step))
+    if budget.revise(
+        config, workdir, time_plan, done=done, step_seconds=step_seconds,
+        eval_seconds=eval_seconds, recompile_seconds=first_step_seconds,
+        elapsed_seconds=time.perf_counter() - start_time,
+        steps_per_epoch=steps_per_epoch, upper_bound=upper_bound):
+      total_steps = time_plan["total_steps"]
+      learning_rate_fn = budget.planned_schedule(config, time_plan,
+                                                 steps_per_epoch)
+      rebuild_steps()
+    check_mark = None  # timed again from the next step
 
   best_accuracy = checkpoints.best_accuracy(workdir)  # read before any write
   try:
@@ -506,6 +541,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           pause_start = time.perf_counter()
           plan_time_budget(done)
           paused += time.perf_counter() - pause_start
+          paused_total += time.perf_counter() - pause_start
+      elif (plan_after is not None and check_mark is None
+            and done < total_steps):
+        # The first step of a recompiled train step: time from here.
+        jax.block_until_ready(metrics)
+        check_mark = (time.perf_counter(), done, paused_total)
       if done % config.log_every_steps == 0 or done == total_steps:
         flush(done)
       epoch = done // steps_per_epoch
@@ -519,6 +560,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         pause_start = time.perf_counter()  # not counted as training time
         if evaluate_now:
           eval_metrics = evaluate_all(state)
+          eval_seconds = time.perf_counter() - pause_start
           eval_metrics["epoch"] = done / steps_per_epoch
           writer.write(done, "eval", eval_metrics)
           if config.keep_best and eval_metrics["accuracy"] > best_accuracy:
@@ -530,7 +572,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if save_now:
           check_finite(done)  # never save a state whose loss was not checked
           checkpoints.save(manager, state)
+        if (evaluate_now and check_mark is not None and done < total_steps
+            and stop_signal is None):
+          revise_time_budget(done, train_end=pause_start)
         paused += time.perf_counter() - pause_start
+        paused_total += time.perf_counter() - pause_start
       if stop_signal is not None:
         manager.wait_until_finished()
         raise preemption.Preempted(stop_signal, done, manager.directory)
