@@ -18,9 +18,12 @@ test accuracy 91.5% (EMA 91.5%), data loading and compilation included,
 after 68.3 wall minutes, late because test runs of mine shared the two
 cores for about 21 of them and the steps ran 8% slower than planned (the
 trainer now revises its plan after each evaluation); 91.4% (EMA 91.5%) at
-epoch 18, after 56.7 minutes;
-per-epoch curve in docs/fashion_mnist_60min.png. Short of the 94% target
-(README). The same run without the flip average, in the same session: the
+epoch 18, after 56.7 minutes. Then, alone on the machine, in a session
+slower still: planned 347 ms per step and 34.0 s per evaluation, 17.09
+epochs; revised after six of the evaluations (16.00 to 18.00 epochs) as the
+step measured 313 to 362 ms; 91.1% (EMA 91.2%) in 58.2 minutes at 17.46
+epochs, per-epoch curve in docs/fashion_mnist_60min.png. Short of the 94%
+target (README). The same run without the flip average, in the same session: the
 24 epochs fitted (plan 248 ms per step); 90.6% (EMA 90.8%) in 56.9 minutes,
 the EMA peaking at 91.1% at epoch 19, then slipping as the model overfits
 (training accuracy 97.5%); the flip average lifts its final params from

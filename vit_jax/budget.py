@@ -19,9 +19,10 @@ it resumes at. The budget counts from the call of `train_and_evaluate`
 
 The speed of a shared machine drifts: on this project's 2-core VMs the same
 run's steps went 10-20% slower or faster within minutes. So after each
-evaluation the run that made the plan checks it against the speed since the
-last check and revises the step count if it would overrun the budget, or if
-lengthening it pays for the recompilation. A revision time-warps the rest of
+evaluation the run that made the plan checks it against its mean step and
+evaluation since the plan, and revises the step count if it would overrun
+the budget, or if lengthening it pays for the recompilation (the mean, not
+the last minutes' speed, so that the count does not swing with the noise). A revision time-warps the rest of
 the learning-rate schedule (`warped_schedule`) rather than rebuilding it:
 the schedule goes on from where it is, without a jump, and ends at the new
 step count. Revisions are kept in the plan, so a resumed run rebuilds the
@@ -58,31 +59,33 @@ def events_between(done: int, total: int, every_steps: int) -> int:
   return count + (total % every_steps != 0)
 
 
-def plan_total_steps(*, budget_seconds: float, elapsed_seconds: float,
-                     done: int, step_seconds: float, fixed_seconds: float,
-                     eval_seconds: float, eval_every_steps: int,
-                     save_seconds: float, save_every_steps: int,
-                     upper_bound: int) -> int:
-  """The largest step count N (done < N <= upper_bound) whose predicted
-  wall time fits the budget less SAFETY_FRACTION; done + 1 if none does.
+def predicted_seconds(total: int, *, elapsed_seconds: float, done: int,
+                      step_seconds: float, fixed_seconds: float,
+                      eval_seconds: float, eval_every_steps: int,
+                      save_seconds: float, save_every_steps: int) -> float:
+  """When a run that is at step `done` after elapsed_seconds ends if trained
+  to step `total`: after fixed_seconds (e.g. a recompilation), the steps,
+  and the evaluations and checkpoint saves up to `total`."""
+  return (elapsed_seconds + fixed_seconds + (total - done) * step_seconds
+          + events_between(done, total, eval_every_steps) * eval_seconds
+          + events_between(done, total, save_every_steps) * save_seconds)
 
-  Predicted: elapsed_seconds + fixed_seconds (e.g. the recompilation) +
-  (N - done) * step_seconds + the evaluations and checkpoint saves up to N.
-  """
+
+def plan_total_steps(*, budget_seconds: float, upper_bound: int,
+                     **measured) -> int:
+  """The largest step count N (done < N <= upper_bound) whose
+  predicted_seconds(N, **measured) fits the budget less SAFETY_FRACTION;
+  done + 1 if none does."""
   available = budget_seconds * (1.0 - SAFETY_FRACTION)
-
-  def predicted(total: int) -> float:
-    return (elapsed_seconds + fixed_seconds + (total - done) * step_seconds
-            + events_between(done, total, eval_every_steps) * eval_seconds
-            + events_between(done, total, save_every_steps) * save_seconds)
-
-  # predicted() grows with N, so bisect for the last N that fits.
-  low, high = done + 1, max(upper_bound, done + 1)
-  if predicted(low) > available:
+  fits = lambda total: predicted_seconds(total, **measured) <= available
+  # The prediction grows with N, so bisect for the last N that fits.
+  low = measured["done"] + 1
+  high = max(upper_bound, low)
+  if not fits(low):
     return low
   while low < high:
     middle = (low + high + 1) // 2
-    if predicted(middle) <= available:
+    if fits(middle):
       low = middle
     else:
       high = middle - 1
@@ -90,21 +93,21 @@ def plan_total_steps(*, budget_seconds: float, elapsed_seconds: float,
 
 
 def revised_total_steps(*, total: int, recompile_seconds: float,
+                        budget_seconds: float, upper_bound: int,
                         **measured) -> Optional[int]:
   """A new step count for a run planned to `total`, or None to keep it.
 
-  measured: the keyword arguments of plan_total_steps but fixed_seconds,
-  measured now (step_seconds over the steps since the last check). Revised
-  when the run as planned would end past the budget, or when the steps that
-  fit beyond `total` take longer than twice the recompilation a revision
-  costs; then to the longest run that fits, paying that recompilation.
+  measured: the keywords of predicted_seconds but fixed_seconds, measured
+  now (step_seconds: the mean step since the plan). Revised when the
+  run as planned would end past the budget, or when the steps that fit
+  beyond `total` take longer than twice the recompilation a revision costs;
+  then to the longest run that fits, paying that recompilation.
   """
-  fitting = plan_total_steps(fixed_seconds=recompile_seconds, **measured)
-  as_planned = plan_total_steps(
-      fixed_seconds=0.0, **dict(measured, upper_bound=total,
-                                budget_seconds=measured["budget_seconds"]
-                                / (1.0 - SAFETY_FRACTION)))
-  overruns = as_planned < total  # does not fit even without the margin
+  fitting = plan_total_steps(budget_seconds=budget_seconds,
+                             upper_bound=upper_bound,
+                             fixed_seconds=recompile_seconds, **measured)
+  overruns = predicted_seconds(total, fixed_seconds=0.0,
+                               **measured) > budget_seconds
   gain_seconds = (fitting - total) * measured["step_seconds"]
   if overruns or gain_seconds > 2 * recompile_seconds:
     return fitting if fitting != total else None
@@ -233,7 +236,7 @@ def revise(config: ml_collections.ConfigDict, workdir: str, plan: dict, *,
   metric_writer.log(
       f"Time budget of {config.time_budget_minutes:g} minutes: at step "
       f"{done}, {step_seconds * 1e3:.1f} ms per step and "
-      f"{eval_seconds:.1f} s per evaluation since the last check; training "
+      f"{eval_seconds:.1f} s per evaluation since the plan; training "
       f"to step {revised} ({revised / steps_per_epoch:.2f} epochs) instead "
       f"of {total}, the rest of the schedule warped to end there.")
   return True

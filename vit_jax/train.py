@@ -380,17 +380,21 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   pending = []  # per-step metrics, still on device
   eval_metrics = {}
-  timer_start, timer_step, paused = time.perf_counter(), start_step, 0.0
+  # Evaluations, saves and the plan pause training: their seconds so far.
+  paused = 0.0
+  # The throughput logged at a flush counts from (time, step, paused).
+  timer_start, timer_step, timer_paused = time.perf_counter(), start_step, 0.0
   # With a time budget and no plan yet: the step after which to make one.
   plan_after = (start_step + 1 + budget.MEASURED_STEPS
                 if config.time_budget_minutes and time_plan is None else None)
   step_ends = []  # times at which the steps before the plan returned
   first_step_seconds = None
   # The run that makes the plan checks it after each evaluation against the
-  # speed since the last check (budget.revise): from `check_mark`, (time,
-  # step, seconds paused so far), set after the first step that follows a
-  # plan or a check, so that a recompilation does not count.
-  check_mark, paused_total, eval_seconds = None, 0.0, None
+  # mean step and evaluation since the plan (budget.revise): the steps are
+  # timed in windows from check_mark, (time, step, paused), set after the
+  # first step that follows a plan or a check so that a recompilation does
+  # not count; timed_windows holds (seconds, steps) of the windows so far.
+  check_mark, timed_windows, eval_times = None, [], []
 
   def check_finite(step):
     """Raises if a pending step's loss or gradient is NaN/Inf, unless such
@@ -420,16 +424,16 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   def flush(step):
     """Logs the mean of the metrics accumulated since the last flush."""
-    nonlocal pending, timer_start, timer_step, paused
+    nonlocal pending, timer_start, timer_step, timer_paused
     check_finite(step)
     metrics = _mean_metrics(pending)
     pending = []
-    elapsed = time.perf_counter() - timer_start - paused
+    elapsed = time.perf_counter() - timer_start - (paused - timer_paused)
     metrics["images_per_second"] = ((step - timer_step) * config.batch_size /
                                     max(elapsed, 1e-9))
     metrics["epoch"] = step / steps_per_epoch
     writer.write(step, "train", metrics)
-    timer_start, timer_step, paused = time.perf_counter(), step, 0.0
+    timer_start, timer_step, timer_paused = time.perf_counter(), step, paused
 
   def agreed_stop(done):
     """The signal to stop on after step `done`, or None. Processes may get
@@ -504,11 +508,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     mark_time, mark_step, mark_paused = check_mark
     if done - mark_step < budget.MEASURED_STEPS:
       return  # too few steps to time; the next evaluation checks
-    step_seconds = ((train_end - mark_time - (paused_total - mark_paused))
-                    / (done - mark_step))
+    timed_windows.append((train_end - mark_time - (paused - mark_paused),
+                          done - mark_step))
+    seconds, steps = np.sum(timed_windows, axis=0)
     if budget.revise(
-        config, workdir, time_plan, done=done, step_seconds=step_seconds,
-        eval_seconds=eval_seconds, recompile_seconds=first_step_seconds,
+        config, workdir, time_plan, done=done, step_seconds=seconds / steps,
+        eval_seconds=float(np.mean(eval_times)),
+        recompile_seconds=first_step_seconds,
         elapsed_seconds=time.perf_counter() - start_time,
         steps_per_epoch=steps_per_epoch, upper_bound=upper_bound):
       total_steps = time_plan["total_steps"]
@@ -541,12 +547,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           pause_start = time.perf_counter()
           plan_time_budget(done)
           paused += time.perf_counter() - pause_start
-          paused_total += time.perf_counter() - pause_start
       elif (plan_after is not None and check_mark is None
             and done < total_steps):
-        # The first step of a recompiled train step: time from here.
+        # The first step after a plan or a check: time from here.
         jax.block_until_ready(metrics)
-        check_mark = (time.perf_counter(), done, paused_total)
+        check_mark = (time.perf_counter(), done, paused)
       if done % config.log_every_steps == 0 or done == total_steps:
         flush(done)
       epoch = done // steps_per_epoch
@@ -560,7 +565,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         pause_start = time.perf_counter()  # not counted as training time
         if evaluate_now:
           eval_metrics = evaluate_all(state)
-          eval_seconds = time.perf_counter() - pause_start
+          eval_times.append(time.perf_counter() - pause_start)
           eval_metrics["epoch"] = done / steps_per_epoch
           writer.write(done, "eval", eval_metrics)
           if config.keep_best and eval_metrics["accuracy"] > best_accuracy:
@@ -576,7 +581,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             and stop_signal is None):
           revise_time_budget(done, train_end=pause_start)
         paused += time.perf_counter() - pause_start
-        paused_total += time.perf_counter() - pause_start
       if stop_signal is not None:
         manager.wait_until_finished()
         raise preemption.Preempted(stop_signal, done, manager.directory)
