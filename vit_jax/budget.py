@@ -20,12 +20,12 @@ it resumes at. The budget counts from the call of `train_and_evaluate`
 The speed of a shared machine drifts: on this project's 2-core VMs the same
 run's steps went 10-20% slower or faster within minutes. So after each
 evaluation the run that made the plan checks it against its mean step and
-evaluation since the plan, and revises the step count if it would overrun
-the budget, or if lengthening it pays for the recompilation (the mean, not
-the last minutes' speed, so that the count does not swing with the noise). A revision time-warps the rest of
-the learning-rate schedule (`warped_schedule`) rather than rebuilding it:
-the schedule goes on from where it is, without a jump, and ends at the new
-step count. Revisions are kept in the plan, so a resumed run rebuilds the
+evaluation since the plan (the mean, not the last minutes' speed, so that
+the count does not swing with the noise), and revises the step count if it
+would overrun the budget, or if lengthening it pays for the recompilation.
+A revision time-warps the rest of the learning-rate schedule
+(`warped_schedule`) rather than rebuilding it: the schedule goes on from
+where it is, without a jump, and ends at the new step count. Revisions are kept in the plan, so a resumed run rebuilds the
 same schedule.
 """
 

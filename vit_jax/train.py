@@ -459,7 +459,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   def plan_time_budget(done):
     """Fixes total_steps to fit the time budget (budget.py); the schedule
     and the steps are rebuilt for it."""
-    nonlocal total_steps, learning_rate_fn, time_plan
+    nonlocal time_plan
 
     def time_evaluation():
       # One batch compiles the eval step, then one evaluation as training
@@ -487,15 +487,17 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         elapsed_seconds=time.perf_counter() - start_time,
         time_evaluation=time_evaluation, time_save=time_save,
         steps_per_epoch=steps_per_epoch, upper_bound=total_steps)
+    follow_plan()
+
+  def follow_plan():
+    """Trains to time_plan from here: its step count, its schedule, and the
+    optimizer and steps rebuilt for that (the optimizer's state does not
+    depend on the schedule)."""
+    nonlocal total_steps, learning_rate_fn, state, train_fn, eval_fn
+    nonlocal check_mark
     total_steps = time_plan["total_steps"]
     learning_rate_fn = budget.planned_schedule(config, time_plan,
                                                steps_per_epoch)
-    rebuild_steps()
-
-  def rebuild_steps():
-    """The optimizer and the steps for a new learning_rate_fn (the
-    optimizer's state does not depend on it)."""
-    nonlocal state, train_fn, eval_fn, check_mark
     state = state.replace(tx=optim.make_optimizer(config, learning_rate_fn))
     train_fn, eval_fn = compile_steps(config, mesh, shardings_of(state), mean,
                                       std, flip, learning_rate_fn)
@@ -504,7 +506,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   def revise_time_budget(done, train_end):
     """Revises total_steps if the plan no longer fits (budget.py), timing
     the steps from check_mark to `train_end`."""
-    nonlocal total_steps, learning_rate_fn, check_mark
+    nonlocal check_mark
     mark_time, mark_step, mark_paused = check_mark
     if done - mark_step < budget.MEASURED_STEPS:
       return  # too few steps to time; the next evaluation checks
@@ -517,10 +519,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         recompile_seconds=first_step_seconds,
         elapsed_seconds=time.perf_counter() - start_time,
         steps_per_epoch=steps_per_epoch, upper_bound=upper_bound):
-      total_steps = time_plan["total_steps"]
-      learning_rate_fn = budget.planned_schedule(config, time_plan,
-                                                 steps_per_epoch)
-      rebuild_steps()
+      follow_plan()
     check_mark = None  # timed again from the next step
 
   best_accuracy = checkpoints.best_accuracy(workdir)  # read before any write
