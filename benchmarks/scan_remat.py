@@ -64,7 +64,7 @@ def compile_step(name: str, scan_blocks: bool, remat_blocks: bool,
   mesh = sharding.make_mesh()
   state = jax.eval_shape(lambda: train.create_train_state(
       model, shape, optimizer, 0, mesh))
-  train_fn, _ = train.compile_steps(
+  train_fn = train.compile_train_step(
       config, mesh, train.shardings_of(state), np.zeros(3, np.float32),
       np.ones(3, np.float32), True, schedule)
   images = jax.ShapeDtypeStruct((batch,) + shape, jnp.uint8)

@@ -77,7 +77,7 @@ def analyse(name: str, mesh_config: dict, batches_per_device: list[int],
       state_mib=init_memory.output_size_in_bytes / MIB,
       init_temp_mib=init_memory.temp_size_in_bytes / MIB,
       init_compile_s=init_seconds)
-  train_fn, _ = train.compile_steps(
+  train_fn = train.compile_train_step(
       config, mesh, state_shardings, np.zeros(3, np.float32),
       np.ones(3, np.float32), True, schedule)
   batch_sharding = sharding.batch_sharded(mesh)

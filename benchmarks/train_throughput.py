@@ -49,7 +49,7 @@ def main(_):
   state = train.create_train_state(model, (height, width, channels),
                                    optim.make_optimizer(config, schedule),
                                    0, mesh, ema=config.ema_decay > 0)
-  train_fn, _ = train.compile_steps(
+  train_fn = train.compile_train_step(
       config, mesh, train.shardings_of(state),
       np.full(channels, 127.0, np.float32),
       np.full(channels, 64.0, np.float32), True, schedule)

@@ -2,9 +2,11 @@
 
 import itertools
 import json
+import logging
 import os
 
 import chex
+import jax
 import numpy as np
 import pytest
 
@@ -139,9 +141,11 @@ def test_warp_rejects_revisions_that_do_not_follow_the_plan():
 
 
 def test_trainer_revises_its_plan_and_warps_its_schedule(tmp_path,
-                                                         monkeypatch, capsys):
+                                                         monkeypatch, capsys,
+                                                         caplog):
   """A run whose first check finds it would overrun trains to the revised
-  step with the warped schedule, and records the revision in its plan."""
+  step with the warped schedule, and records the revision in its plan. Only
+  the train step is recompiled for a new schedule."""
   checks = []
 
   def revise_once(*, total, **measured):
@@ -153,7 +157,14 @@ def test_trainer_revises_its_plan_and_warps_its_schedule(tmp_path,
                         eval_every_epochs=5, time_budget_minutes=60.0,
                         checkpoint_every_steps=1000)
   workdir = str(tmp_path)
-  train.train_and_evaluate(config, workdir)
+  caplog.set_level(logging.WARNING, logger="jax")
+  with jax.log_compiles():
+    train.train_and_evaluate(config, workdir)
+  compiled = [r.getMessage().split(" with ")[0] for r in caplog.records
+              if r.getMessage().startswith("Compiling ")]
+  # The upper bound's schedule, the plan's, the revision's.
+  assert compiled.count("Compiling jit(train_step)") == 3, compiled
+  assert compiled.count("Compiling jit(eval_step)") == 1, compiled
   with open(os.path.join(workdir, budget.PLAN_FILE)) as f:
     plan = json.load(f)
   # 4 steps an epoch, an evaluation every 20 steps: planned (the upper bound

@@ -31,8 +31,8 @@ def _run_steps(config, mesh, num_steps):
                                    config.seed, mesh)
   initial = jax.device_get(state.params)
   mean, std = dataset.channel_stats()
-  train_fn, _ = train.compile_steps(config, mesh, train.shardings_of(state),
-                                    mean, std, False, schedule)
+  train_fn = train.compile_train_step(
+      config, mesh, train.shardings_of(state), mean, std, False, schedule)
   batches = input_pipeline.train_batches(
       dataset.train_images, dataset.train_labels, config.batch_size, 0, 0,
       mesh)

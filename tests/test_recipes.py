@@ -123,8 +123,8 @@ def test_ema_follows_the_formula_and_is_evaluated(tmp_path):
                                    optim.make_optimizer(config, schedule), 0,
                                    mesh, fsdp_min_size=256, ema=True)
   mean, std = dataset.channel_stats()
-  train_fn, _ = train.compile_steps(config, mesh, train.shardings_of(state),
-                                    mean, std, True, schedule)
+  train_fn = train.compile_train_step(
+      config, mesh, train.shardings_of(state), mean, std, True, schedule)
   stream = input_pipeline.train_batches(dataset.train_images,
                                         dataset.train_labels, 16, 0, 0, mesh)
   expected = jax.device_get(state.params)

@@ -105,8 +105,8 @@ def _train(config, mesh, num_steps, state=None):
   state = fresh if state is None else state
   mean, std = dataset.channel_stats()
   flip = config.random_flip is not False
-  train_fn, _ = train.compile_steps(config, mesh, train.shardings_of(state),
-                                    mean, std, flip, schedule)
+  train_fn = train.compile_train_step(
+      config, mesh, train.shardings_of(state), mean, std, flip, schedule)
   stream = input_pipeline.train_batches(
       dataset.train_images, dataset.train_labels, config.batch_size,
       config.seed, start, mesh)

@@ -25,8 +25,10 @@ def _build(config, mesh, total_steps=20, steps_per_epoch=4):
                                    optim.make_optimizer(config, schedule),
                                    config.seed, mesh)
   mean, std = dataset.channel_stats()
-  train_fn, eval_fn = train.compile_steps(
+  train_fn = train.compile_train_step(
       config, mesh, train.shardings_of(state), mean, std, True, schedule)
+  eval_fn = train.compile_eval_step(
+      config, mesh, model.apply, train.shardings_of(state.params), mean, std)
   return dataset, state, train_fn, eval_fn
 
 
@@ -96,12 +98,13 @@ def test_eval_step_ignores_padding():
   labels = dataset.test_labels[:16]
   mask = np.array([1.0] * 5 + [0.0] * 11, np.float32)
   put = lambda x: sharding.to_global_batch(mesh, x)
-  masked = eval_fn(state, put(images), put(labels), put(mask))
+  masked = eval_fn(state.params, put(images), put(labels), put(mask))
   garbage = images.copy()
   garbage[5:] = 255 - garbage[5:]
   other_labels = labels.copy()
   other_labels[5:] = (labels[5:] + 1) % 10
-  masked_garbage = eval_fn(state, put(garbage), put(other_labels), put(mask))
+  masked_garbage = eval_fn(state.params, put(garbage), put(other_labels),
+                           put(mask))
   chex.assert_trees_all_close(masked, masked_garbage)
   assert float(masked["count"]) == 5
 
@@ -118,10 +121,9 @@ def test_eval_flip_average_classifies_by_the_mean_logits_of_image_and_mirror():
                  "bias": head["bias"]}
   params = dict(state.params, head=jax.device_put(
       random_head, jax.tree.map(lambda x: x.sharding, head)))
-  state = state.replace(params=params)
   images, labels = dataset.test_images[:16], dataset.test_labels[:16]
   mask = np.ones(16, np.float32)
-  sums = eval_fn(state, put(images), put(labels), put(mask))
+  sums = eval_fn(params, put(images), put(labels), put(mask))
 
   model = variants.build_model(config.model, dataset.num_classes)
   mean, std = dataset.channel_stats()

@@ -168,7 +168,8 @@ def plan(config: ml_collections.ConfigDict, workdir: str, *, done: int,
   step_ends: the times at which the steps since the first one returned;
   their median interval is the step time, so an evaluation or a save
   between two steps does not count. first_step_seconds: compilation and
-  first step, paid again for the new schedule. time_evaluation() -> (eval
+  first step, paid again for the new schedule (the train step only: the
+  eval step takes params, not the optimizer). time_evaluation() -> (eval
   step compilation, one evaluation) and time_save() -> one checkpoint
   save, in seconds, each run once. Every process trains to process 0's
   plan.
@@ -181,7 +182,7 @@ def plan(config: ml_collections.ConfigDict, workdir: str, *, done: int,
       elapsed_seconds=(elapsed_seconds + eval_compile_seconds + eval_seconds
                        + save_seconds),
       done=done, step_seconds=step_seconds,
-      fixed_seconds=first_step_seconds + eval_compile_seconds,
+      fixed_seconds=first_step_seconds,  # the eval step is not recompiled
       eval_seconds=eval_seconds,
       eval_every_steps=steps_per_epoch * config.eval_every_epochs,
       save_seconds=save_seconds,

@@ -177,16 +177,19 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
   return new_state, metrics
 
 
-def eval_step(state: TrainState, images: jax.Array, labels: jax.Array,
-              mask: jax.Array, *,
+def eval_step(params: Any, images: jax.Array, labels: jax.Array,
+              mask: jax.Array, *, apply_fn: Callable[..., jax.Array],
               preprocess: Callable[[jax.Array], jax.Array],
               flip_average: bool = False) -> dict[str, jax.Array]:
   """Sums of loss and correct predictions over the real (mask=1) examples.
 
-  flip_average: classify by the mean logits of each image and its mirror.
+  Takes the params alone, not the train state: evaluating the moving
+  average, or a state whose optimizer was rebuilt (a time budget's new
+  schedule), then reuses the one compilation.
+  apply_fn: the model's `apply`. flip_average: classify by the mean logits
+  of each image and its mirror.
   """
-  logits_fn = lambda inputs: state.apply_fn({"params": state.params},
-                                            inputs, train=False)
+  logits_fn = lambda inputs: apply_fn({"params": params}, inputs, train=False)
   inputs = preprocess(images)
   logits = (augment.mirror_averaged(logits_fn, inputs) if flip_average
             else logits_fn(inputs))
@@ -196,17 +199,16 @@ def eval_step(state: TrainState, images: jax.Array, labels: jax.Array,
           "count": jnp.sum(mask)}
 
 
-def compile_steps(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
-                  state_sharding, mean: np.ndarray, std: np.ndarray,
-                  flip: bool, learning_rate_fn: optax.Schedule):
-  """The jitted train and eval steps for `config`, with shardings declared.
+def compile_train_step(config: ml_collections.ConfigDict,
+                       mesh: jax.sharding.Mesh, state_sharding,
+                       mean: np.ndarray, std: np.ndarray, flip: bool,
+                       learning_rate_fn: optax.Schedule):
+  """The jitted train step for `config`, with shardings declared.
 
   `state_sharding` is the train state's layout (`shardings_of(state)`); the
   new state keeps it, and metrics come back replicated.
   """
-  replicated = sharding.replicated(mesh)
-  batch = sharding.batch_sharded(mesh)
-  train_fn = jax.jit(
+  return jax.jit(
       functools.partial(
           train_step,
           preprocess=functools.partial(
@@ -225,27 +227,36 @@ def compile_steps(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
           skip_nonfinite=config.skip_nonfinite_steps,
           mixup_alpha=config.mixup_alpha, cutmix_alpha=config.cutmix_alpha,
           ema_decay=config.ema_decay, sam_rho=config.sam_rho),
-      in_shardings=(state_sharding, batch, batch),
-      out_shardings=(state_sharding, replicated),
+      in_shardings=(state_sharding, sharding.batch_sharded(mesh),
+                    sharding.batch_sharded(mesh)),
+      out_shardings=(state_sharding, sharding.replicated(mesh)),
       donate_argnums=0)
-  eval_fn = jax.jit(
+
+
+def compile_eval_step(config: ml_collections.ConfigDict,
+                      mesh: jax.sharding.Mesh, apply_fn: Callable[..., Any],
+                      params_sharding, mean: np.ndarray, std: np.ndarray):
+  """The jitted eval step for `config`: eval_fn(params, images, labels,
+  mask), params laid out as `params_sharding` (`shardings_of(params)`)."""
+  batch = sharding.batch_sharded(mesh)
+  return jax.jit(
       functools.partial(
-          eval_step, preprocess=functools.partial(
+          eval_step, apply_fn=apply_fn, preprocess=functools.partial(
               augment.eval_preprocess, mean=mean, std=std,
               image_size=config.image_size),
           flip_average=config.eval_flip_average),
-      in_shardings=(state_sharding, batch, batch, batch),
-      out_shardings=replicated)
-  return train_fn, eval_fn
+      in_shardings=(params_sharding, batch, batch, batch),
+      out_shardings=sharding.replicated(mesh))
 
 
-def evaluate(eval_fn, state: TrainState, dataset: datasets.Dataset,
+def evaluate(eval_fn, params: Any, dataset: datasets.Dataset,
              batch_size: int, mesh: jax.sharding.Mesh) -> dict[str, float]:
-  """Loss and accuracy over every test example, each counted once."""
+  """Loss and accuracy of `params` over every test example, each counted
+  once."""
   totals = None
   for images, labels, mask in input_pipeline.eval_batches(
       dataset.test_images, dataset.test_labels, batch_size, mesh):
-    sums = eval_fn(state, images, labels, mask)
+    sums = eval_fn(params, images, labels, mask)
     if totals is not None:
       jax.block_until_ready(totals)  # bounded queue, as in the train loop
     # Summed on device: one host transfer per evaluation, not per batch.
@@ -372,8 +383,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     state = init_from_pretrained(config, state, (height, width))
   writer = metric_writer.MetricWriter(workdir, resume_step=start_step)
 
-  train_fn, eval_fn = compile_steps(config, mesh, shardings_of(state), mean,
-                                    std, flip, learning_rate_fn)
+  train_fn = compile_train_step(config, mesh, shardings_of(state), mean, std,
+                                flip, learning_rate_fn)
+  eval_fn = compile_eval_step(config, mesh, model.apply,
+                              shardings_of(state.params), mean, std)
   batches = input_pipeline.train_batches(
       dataset.train_images, dataset.train_labels, config.batch_size,
       config.seed, start_step, mesh)
@@ -449,9 +462,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   def evaluate_all(state):
     """Test metrics of the params, and of their moving average as ema_*."""
-    metrics = evaluate(eval_fn, state, dataset, config.eval_batch_size, mesh)
+    metrics = evaluate(eval_fn, state.params, dataset,
+                       config.eval_batch_size, mesh)
     if state.ema_params is not None:
-      ema = evaluate(eval_fn, state.replace(params=state.ema_params), dataset,
+      ema = evaluate(eval_fn, state.ema_params, dataset,
                      config.eval_batch_size, mesh)
       metrics.update(ema_loss=ema["loss"], ema_accuracy=ema["accuracy"])
     return metrics
@@ -468,7 +482,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           dataset.test_images, dataset.test_labels, config.eval_batch_size,
           mesh))
       tick = time.perf_counter()
-      jax.block_until_ready(eval_fn(state, *test_batch))
+      jax.block_until_ready(eval_fn(state.params, *test_batch))
       compile_seconds = time.perf_counter() - tick
       tick = time.perf_counter()
       evaluate_all(state)
@@ -491,16 +505,16 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   def follow_plan():
     """Trains to time_plan from here: its step count, its schedule, and the
-    optimizer and steps rebuilt for that (the optimizer's state does not
-    depend on the schedule)."""
-    nonlocal total_steps, learning_rate_fn, state, train_fn, eval_fn
+    optimizer and train step rebuilt for that (the optimizer's state does
+    not depend on the schedule; the eval step takes only params)."""
+    nonlocal total_steps, learning_rate_fn, state, train_fn
     nonlocal check_mark
     total_steps = time_plan["total_steps"]
     learning_rate_fn = budget.planned_schedule(config, time_plan,
                                                steps_per_epoch)
     state = state.replace(tx=optim.make_optimizer(config, learning_rate_fn))
-    train_fn, eval_fn = compile_steps(config, mesh, shardings_of(state), mean,
-                                      std, flip, learning_rate_fn)
+    train_fn = compile_train_step(config, mesh, shardings_of(state), mean,
+                                  std, flip, learning_rate_fn)
     check_mark = None
 
   def revise_time_budget(done, train_end):
