@@ -88,6 +88,7 @@ _OVERRIDES = {
     "model.patch_size": st.integers(1, 9),
     "model.num_heads": st.integers(1, 5),
     "model.classifier": st.sampled_from(["token", "gap", "cls"]),
+    "model.patch_dropout_rate": st.floats(-0.5, 1.5, allow_nan=False),
     "posemb_resize": st.sampled_from(["bilinear", "bicubic", "nearest"]),
 }
 
@@ -115,6 +116,7 @@ def test_config_checks_accept_or_name_the_problem(overrides):
   assert config.batch_size > 0 and config.eval_batch_size > 0
   assert config.batch_size % config.accum_steps == 0
   assert 0 <= config.label_smoothing < 1
+  assert 0 <= config.model.patch_dropout_rate < 1
   height = validation.image_shape_of(config)[0]
   assert height % config.model.patch_size == 0
   assert config.model.hidden_size % config.model.num_heads == 0

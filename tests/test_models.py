@@ -338,6 +338,46 @@ def test_scan_and_remat_apply_per_layer_drop_path():
     assert not np.allclose(a, b), mode
 
 
+@pytest.mark.parametrize("classifier,posemb", [("token", "learn"),
+                                               ("gap", "sincos2d")])
+def test_patch_dropout_trains_on_a_random_subset_of_the_embedded_patches(
+    classifier, posemb):
+  """Training keeps round(0.75 * 16) = 12 of each image's 16 embedded patch
+  tokens: its own subset, in grid order, each patch equally likely; the
+  class token always. Evaluation sees every token."""
+  settings = dict(classifier=classifier, posemb=posemb)
+  model = _tiny(patch_dropout_rate=0.25, **settings)
+  variables = flax.core.unfreeze(_init(model, (1, 16, 16, 3)))
+  variables["params"]["head"]["kernel"] = jnp.ones((32, 5))  # not zero
+  images = jax.random.normal(jax.random.PRNGKey(1), (256, 16, 16, 3))
+  embedded = lambda **kw: np.asarray(model.apply(
+      variables, images, mutable="intermediates", **kw)[1]["intermediates"][
+          "Transformer"]["embedded"][0])
+  everything = embedded()  # (256, prefix + 16, 32), position embedding added
+  kept = embedded(train=True, rngs={"dropout": jax.random.PRNGKey(2)})
+  prefix = int(classifier == "token")
+  assert everything.shape == (256, prefix + 16, 32)
+  assert kept.shape == (256, prefix + 12, 32)
+  np.testing.assert_array_equal(kept[:, :prefix], everything[:, :prefix])
+  # Which of its image's patch tokens each kept token is.
+  distances = np.sum((kept[:, prefix:, None] - everything[:, None, prefix:])
+                     ** 2, axis=-1)  # (256, 12, 16)
+  np.testing.assert_allclose(distances.min(-1), 0.0, atol=1e-10)
+  index = distances.argmin(-1)
+  assert np.all(np.diff(index, axis=1) > 0)  # distinct, in grid order
+  assert len({tuple(row) for row in index}) > 200  # each image its own
+  frequency = np.bincount(index.ravel(), minlength=16) / 256
+  np.testing.assert_allclose(frequency, 0.75, atol=0.1)
+  # Evaluation: every token, the output of the same model without dropout.
+  chex.assert_trees_all_close(model.apply(variables, images[:8]),
+                              _tiny(**settings).apply(variables, images[:8]),
+                              atol=1e-6)
+  logits = jax.jit(lambda key: model.apply(
+      variables, images[:8], train=True, rngs={"dropout": key}))
+  assert not np.allclose(logits(jax.random.PRNGKey(3)),
+                         logits(jax.random.PRNGKey(4)))
+
+
 def test_scan_blocks_still_captures_per_layer_intermediates():
   model = _tiny(num_layers=3, scan_blocks=True, remat_blocks=True)
   variables = _init(model, (1, 8, 8, 3))

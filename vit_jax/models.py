@@ -167,8 +167,10 @@ class Encoder(nn.Module):
   """Position embeddings, dropout, `num_layers` blocks, final LayerNorm.
 
   The learned position embedding is added here (official layout); with
-  learned_posemb=False the caller has added fixed ones. Block i drops its
-  residual branches with rate drop_path_rate * i / (num_layers - 1).
+  learned_posemb=False the caller has added fixed ones. In training, patch
+  dropout then keeps a random subset of the patch tokens (the first
+  num_prefix_tokens, the class token, always). Block i drops its residual
+  branches with rate drop_path_rate * i / (num_layers - 1).
 
   scan_blocks / remat_blocks change how the blocks run, never the parameter
   tree (`encoderblock_{i}` as in the official checkpoints): the blocks'
@@ -184,6 +186,8 @@ class Encoder(nn.Module):
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
   drop_path_rate: float = 0.0
+  patch_dropout_rate: float = 0.0
+  num_prefix_tokens: int = 0
   learned_posemb: bool = True
   locality_attention: bool = False
   approximate_gelu: bool = True
@@ -197,6 +201,8 @@ class Encoder(nn.Module):
   def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
     if self.learned_posemb:
       x = self._add_learned_posemb(x)
+    if self.patch_dropout_rate and not deterministic:
+      x = self._drop_patches(x)
     self.sow("intermediates", "embedded", x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
     if ((self.scan_blocks or self.remat_blocks) and not self.is_initializing()
@@ -210,6 +216,21 @@ class Encoder(nn.Module):
         self.sow("intermediates", "block_outputs", x)
     return nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype,
                         param_dtype=self.param_dtype, name="encoder_norm")(x)
+
+  def _drop_patches(self, x: jax.Array) -> jax.Array:
+    """PatchDropout (Liu et al. 2023): (B, prefix + N, D) -> (B, prefix + K,
+    D), each image keeping its own random K = round((1 - rate) N) patch
+    tokens, in grid order. The tokens already carry their position
+    embedding, so the encoder knows where each kept patch sits; its cost
+    falls with the tokens (attention's quadratically)."""
+    prefix = x[:, :self.num_prefix_tokens]
+    patches = x[:, self.num_prefix_tokens:]
+    batch, num_patches, _ = patches.shape
+    num_kept = max(1, round(num_patches * (1.0 - self.patch_dropout_rate)))
+    scores = jax.random.uniform(self.make_rng("dropout"), (batch, num_patches))
+    kept = jnp.sort(jnp.argsort(scores, axis=1)[:, :num_kept], axis=1)
+    patches = jnp.take_along_axis(patches, kept[..., None], axis=1)
+    return jnp.concatenate([prefix, patches], axis=1)
 
   def _drop_path_rate_of(self, layer: int) -> float:
     return self.drop_path_rate * layer / max(self.num_layers - 1, 1)
@@ -346,6 +367,12 @@ class VisionTransformer(nn.Module):
     drop_path_rate: stochastic depth: the residual branches of the last
       block are dropped per example with this rate, earlier blocks linearly
       less (0 for the first).
+    patch_dropout_rate: PatchDropout (Liu et al. 2023, "PatchDropout:
+      Economizing Vision Transformers Using Patch Dropout"): in training,
+      each image drops this fraction of its patch tokens (random, after the
+      position embedding; the class token stays) before the encoder, which
+      then costs less per image, attention quadratically less. Evaluation
+      sees every token.
     shifted_patches: Shifted Patch Tokenization (Lee et al. 2021, "Vision
       Transformer for Small-Size Datasets"): the image and four copies
       shifted diagonally by half a patch are stacked on the channel axis,
@@ -383,6 +410,7 @@ class VisionTransformer(nn.Module):
   classifier: str = "token"
   posemb: str = "learn"
   drop_path_rate: float = 0.0
+  patch_dropout_rate: float = 0.0
   shifted_patches: bool = False
   locality_attention: bool = False
   representation_size: Optional[int] = None
@@ -422,6 +450,8 @@ class VisionTransformer(nn.Module):
         mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
         attention_dropout_rate=self.attention_dropout_rate,
         drop_path_rate=self.drop_path_rate,
+        patch_dropout_rate=self.patch_dropout_rate,
+        num_prefix_tokens=int(self.classifier == "token"),
         learned_posemb=self.posemb == "learn",
         locality_attention=self.locality_attention,
         approximate_gelu=self.approximate_gelu,

@@ -65,9 +65,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(
         f"config.model.posemb={config.model.posemb!r} is not supported; "
         f"choose one of {models.POSITION_EMBEDDINGS}.")
-  for key in ("random_erasing", "ema_decay", "model.drop_path_rate"):
-    value = config.model.drop_path_rate if key.startswith("model.") else (
-        config[key])
+  for key in ("random_erasing", "ema_decay", "model.drop_path_rate",
+              "model.patch_dropout_rate"):
+    value = (config.model[key.removeprefix("model.")]
+             if key.startswith("model.") else config[key])
     if not 0.0 <= value < 1.0:
       raise ValueError(f"config.{key}={value} must be in [0, 1).")
   for key in ("mixup_alpha", "cutmix_alpha", "sam_rho"):

@@ -75,6 +75,7 @@ def get_variant(name: str) -> ml_collections.ConfigDict:
       classifier="token",
       posemb="learn",
       drop_path_rate=0.0,
+      patch_dropout_rate=0.0,
       shifted_patches=False,
       locality_attention=False,
       representation_size=ml_collections.config_dict.placeholder(int),
