@@ -289,6 +289,7 @@ BLOCK_MODES = [dict(scan_blocks=True), dict(remat_blocks=True),
                dict(scan_blocks=True, remat_blocks=True)]
 
 
+@pytest.mark.slow  # 35-40 s here: keeps the default run near 10 minutes
 def test_scan_and_remat_keep_params_outputs_and_gradients():
   plain = _tiny(num_layers=3)
   variables = _init(plain, (1, 8, 8, 3))

@@ -55,6 +55,7 @@ def test_overfits_a_fixed_batch_of_noise():
   assert int(state.step) == 150
 
 
+@pytest.mark.slow  # 35-40 s here: keeps the default run near 10 minutes
 def test_bfloat16_compute_trains_like_float32_with_float32_state():
   """Mixed precision: bfloat16 matmuls, float32 params and AdamW moments.
   Twenty steps from the same init on the same batch stay on the float32
