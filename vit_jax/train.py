@@ -208,6 +208,7 @@ def compile_train_step(config: ml_collections.ConfigDict,
   `state_sharding` is the train state's layout (`shardings_of(state)`); the
   new state keeps it, and metrics come back replicated.
   """
+  batch = sharding.batch_sharded(mesh)
   return jax.jit(
       functools.partial(
           train_step,
@@ -227,8 +228,7 @@ def compile_train_step(config: ml_collections.ConfigDict,
           skip_nonfinite=config.skip_nonfinite_steps,
           mixup_alpha=config.mixup_alpha, cutmix_alpha=config.cutmix_alpha,
           ema_decay=config.ema_decay, sam_rho=config.sam_rho),
-      in_shardings=(state_sharding, sharding.batch_sharded(mesh),
-                    sharding.batch_sharded(mesh)),
+      in_shardings=(state_sharding, batch, batch),
       out_shardings=(state_sharding, sharding.replicated(mesh)),
       donate_argnums=0)
 
