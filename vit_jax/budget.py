@@ -25,8 +25,8 @@ the count does not swing with the noise), and revises the step count if it
 would overrun the budget, or if lengthening it pays for the recompilation.
 A revision time-warps the rest of the learning-rate schedule
 (`warped_schedule`) rather than rebuilding it: the schedule goes on from
-where it is, without a jump, and ends at the new step count. Revisions are kept in the plan, so a resumed run rebuilds the
-same schedule.
+where it is, without a jump, and ends at the new step count. Revisions
+are kept in the plan, so a resumed run rebuilds the same schedule.
 """
 
 import json
