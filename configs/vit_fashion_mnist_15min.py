@@ -11,7 +11,7 @@ Datasets"): Shifted Patch Tokenization (each patch embedded together with
 its diagonal neighbours' edges) and Locality Self-Attention (learned softmax
 temperature, no attention of a token to itself). Each training image keeps
 a random quarter of its patch tokens, 12 of 49 (patch dropout, Liu et al.
-2023): a step costs 55-64 ms here instead of 311-350 with all tokens
+2023): a step costs 55-66 ms here instead of 311-350 with all tokens
 (attention's cost falls with the square of the tokens), so the budget buys
 about 20 epochs instead of 4. The recipe regularises lightly otherwise (flip,
 label smoothing) and reads out an exponential moving average of the params;
