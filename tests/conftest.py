@@ -1,4 +1,5 @@
-"""Test set-up: 8 simulated CPU devices, so sharded code paths run everywhere.
+"""Test set-up: 8 simulated CPU devices, so sharded code paths run everywhere,
+and a compilation cache shared by every test.
 
 XLA reads the flag when JAX initialises its backend, so it is set before any
 test module imports jax.
@@ -8,6 +9,14 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8")
+# Each trainer run jits its steps afresh, and most tests train the same
+# small model: JAX's persistent cache (keyed by the program, the JAX version
+# and the flags) compiles each program once for this process, its xdist
+# siblings and the scripts the tests start. In .pytest_cache, so a clean
+# checkout starts empty and a user's own cache is left alone.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    ".pytest_cache", "xla"))
 
 import pytest  # noqa: E402
 
