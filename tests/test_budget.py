@@ -14,20 +14,42 @@ from helpers import small_config
 from vit_jax import budget, metric_writer, optim, pretrained, train
 
 
-def _trainer_events(done, total, every_steps):
-  """The steps after `done` at which the trainer evaluates (every_steps =
-  steps per epoch x eval_every_epochs) or saves (checkpoint_every_steps),
-  by its own rule: each multiple of every_steps, and the last step."""
+def _trainer_saves(done, total, every_steps):
+  """The steps after `done` at which the trainer saves a checkpoint, by its
+  rule: each multiple of every_steps, and the last step."""
   return sum(1 for d in range(done + 1, total + 1)
              if d == total or d % every_steps == 0)
 
 
+def _trainer_evals(done, total, every_steps):
+  """The steps after `done` at which the trainer evaluates (every_steps =
+  steps per epoch x eval_every_epochs), step by step by its rule."""
+  return sum(1 for d in range(done + 1, total + 1)
+             if budget.evaluates_after(d, total, every_steps))
+
+
+def test_evaluations_skip_an_interval_end_close_to_the_last_step():
+  every = 20
+  assert [d for d in range(1, 73) if budget.evaluates_after(d, 72, every)
+          ] == [20, 40, 60, 72]
+  # Step 60 is 5 steps before the end: the last step's evaluation serves.
+  assert [d for d in range(1, 66) if budget.evaluates_after(d, 65, every)
+          ] == [20, 40, 65]
+  assert budget.evaluates_after(60, 70, every)  # half an interval: kept
+  assert [d for d in range(1, 4) if budget.evaluates_after(d, 3, 1)
+          ] == [1, 2, 3]
+
+
 @pytest.mark.parametrize("done,total,every", [
-    (21, 22, 50), (21, 50, 50), (21, 51, 50), (21, 400, 50), (21, 400, 150),
-    (0, 150, 150), (100, 101, 14), (49, 250, 50), (21, 5000, 1000)])
+    (21, 22, 50), (21, 50, 50), (21, 51, 50), (21, 74, 50), (21, 75, 50),
+    (21, 400, 50), (21, 400, 150), (0, 150, 150), (100, 101, 14),
+    (49, 250, 50), (21, 5000, 1000), (21, 21, 50), (3, 9, 1)])
 def test_events_between_follows_the_trainer(done, total, every):
   assert budget.events_between(done, total, every) == (
-      _trainer_events(done, total, every))
+      _trainer_saves(done, total, every))
+  assert budget.events_between(done, total, every,
+                               budget.evaluation_gap(every)) == (
+      _trainer_evals(done, total, every))
 
 
 @pytest.mark.parametrize("budget_seconds,upper_bound", [
@@ -39,8 +61,8 @@ def test_plan_is_the_longest_run_that_fits(budget_seconds, upper_bound):
 
   def predicted(total):  # an independent count of the run's seconds
     return (10.0 + 5.0 + 0.1 * (total - 21) +
-            2.0 * _trainer_events(21, total, 50) +
-            1.5 * _trainer_events(21, total, 120))
+            2.0 * _trainer_evals(21, total, 50) +
+            1.5 * _trainer_saves(21, total, 120))
 
   planned = budget.plan_total_steps(budget_seconds=budget_seconds,
                                     upper_bound=upper_bound, **measured)
@@ -60,8 +82,8 @@ _MEASURED = dict(budget_seconds=900.0, elapsed_seconds=300.0, done=1000,
 def _predicted_end(total, step_seconds, fixed_seconds=0.0):
   """An independent count of a run's end with _MEASURED, from step 1000."""
   return (300.0 + fixed_seconds + step_seconds * (total - 1000)
-          + 20.0 * _trainer_events(1000, total, 500)
-          + 2.0 * _trainer_events(1000, total, 2000))
+          + 20.0 * _trainer_evals(1000, total, 500)
+          + 2.0 * _trainer_saves(1000, total, 2000))
 
 
 def _longest(fits):

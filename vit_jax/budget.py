@@ -51,12 +51,29 @@ MEASURED_STEPS = 20
 SAFETY_FRACTION = 0.03
 
 
-def events_between(done: int, total: int, every_steps: int) -> int:
+def evaluates_after(done: int, total: int, every_steps: int) -> bool:
+  """Whether the trainer evaluates after step `done` of a run to `total`:
+  at the last step, and at each multiple of every_steps (eval_every_epochs
+  in steps) at least evaluation_gap(every_steps) steps before it; a closer
+  one would cost an evaluation to measure nearly the last step's params."""
+  return done == total or (done % every_steps == 0 and
+                           total - done >= evaluation_gap(every_steps))
+
+
+def evaluation_gap(every_steps: int) -> int:
+  """The fewest steps between an interval's evaluation and the last one."""
+  return max(every_steps // 2, 1)
+
+
+def events_between(done: int, total: int, every_steps: int,
+                   min_gap: int = 1) -> int:
   """How often an event of the trainer's (an evaluation, a checkpoint) runs
-  after step `done` up to step `total`: at every multiple of every_steps,
-  and at the last step."""
-  count = total // every_steps - done // every_steps
-  return count + (total % every_steps != 0)
+  after step `done` up to step `total`: at the last step, and at each
+  multiple of every_steps at least min_gap steps before it (checkpoints:
+  1; evaluations: evaluation_gap, as evaluates_after)."""
+  if total <= done:
+    return 0
+  return max(0, (total - min_gap) // every_steps - done // every_steps) + 1
 
 
 def predicted_seconds(total: int, *, elapsed_seconds: float, done: int,
@@ -67,7 +84,8 @@ def predicted_seconds(total: int, *, elapsed_seconds: float, done: int,
   to step `total`: after fixed_seconds (e.g. a recompilation), the steps,
   and the evaluations and checkpoint saves up to `total`."""
   return (elapsed_seconds + fixed_seconds + (total - done) * step_seconds
-          + events_between(done, total, eval_every_steps) * eval_seconds
+          + events_between(done, total, eval_every_steps,
+                           evaluation_gap(eval_every_steps)) * eval_seconds
           + events_between(done, total, save_every_steps) * save_seconds)
 
 

@@ -131,6 +131,8 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
 
   # Bookkeeping.
   config.log_every_steps = 50
+  # And after the last step; an interval's evaluation less than half an
+  # interval before it is skipped (budget.evaluates_after).
   config.eval_every_epochs = 1
   config.checkpoint_every_steps = 1000
   config.keep_checkpoints = 3  # the latest N (resume uses the last one)

@@ -567,9 +567,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         check_mark = (time.perf_counter(), done, paused)
       if done % config.log_every_steps == 0 or done == total_steps:
         flush(done)
-      epoch = done // steps_per_epoch
-      evaluate_now = done == total_steps or (
-          done % steps_per_epoch == 0 and epoch % config.eval_every_epochs == 0)
+      evaluate_now = budget.evaluates_after(
+          done, total_steps, steps_per_epoch * config.eval_every_epochs)
       stop_signal = agreed_stop(done)
       save_now = (done % config.checkpoint_every_steps == 0 or
                   done == total_steps or stop_signal is not None)
