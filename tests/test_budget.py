@@ -101,6 +101,25 @@ def test_revision_shortens_a_run_that_would_overrun():
                             <= available)
 
 
+@pytest.mark.parametrize("elapsed_seconds,ends", [
+    (780.0, False), (830.0, True), (870.0, True)])
+def test_revision_ends_the_run_when_the_steps_left_would_not_pay(
+    elapsed_seconds, ends):
+  # Late in the run, the steps that fit after a revision train for less
+  # time than its recompilation (10 s) and final evaluation (20 s) cost at
+  # 830 s (and none fit at 870 s): the run ends at the step just evaluated.
+  measured = dict(_MEASURED, elapsed_seconds=elapsed_seconds)
+  available = 900 * (1 - budget.SAFETY_FRACTION)
+  late = elapsed_seconds - 300.0
+  fitting = max(itertools.takewhile(
+      lambda n: late + _predicted_end(n, 0.3, 10.0) <= available,
+      range(1001, 10_001)), default=1001)
+  assert (0.3 * (fitting - 1000) < 10.0 + 20.0) == ends
+  revised = budget.revised_total_steps(total=3000, recompile_seconds=10.0,
+                                       step_seconds=0.3, **measured)
+  assert revised == (1000 if ends else fitting)
+
+
 def test_revision_keeps_a_run_on_time_and_lengthens_only_when_it_pays():
   # The plan still ends inside the budget (if in its margin): kept.
   on_time = _longest(lambda n: _predicted_end(n, 0.3) <= 890)
@@ -162,57 +181,81 @@ def test_warp_rejects_revisions_that_do_not_follow_the_plan():
     budget.warp_knots(1000, [(500, 800), (400, 900)])  # out of order
 
 
+def test_a_revision_to_its_own_step_ends_the_warp():
+  steps, schedule_steps = budget.warp_knots(1000, [(500, 800), (600, 600)])
+  assert steps == [0.0, 500.0, 600.0, 600.0]
+  np.testing.assert_allclose(schedule_steps, [0, 500, 500 + 100 * 500 / 300,
+                                              1000])
+  with pytest.raises(ValueError, match="does not follow"):
+    budget.warp_knots(1000, [(600, 600), (700, 800)])  # nothing follows
+
+
 def test_trainer_revises_its_plan_and_warps_its_schedule(tmp_path,
                                                          monkeypatch, capsys,
                                                          caplog):
-  """A run whose first check finds it would overrun trains to the revised
-  step with the warped schedule, and records the revision in its plan. Only
-  the train step is recompiled for a new schedule."""
+  """A run whose first check finds it would overrun trains on with the
+  warped schedule, and records the revision in its plan; a second check
+  ends it at the step it has just evaluated. Only the train step is
+  recompiled, once for the plan and once for the first revision."""
   checks = []
 
-  def revise_once(*, total, **measured):
+  def revise_twice(*, total, **measured):
     checks.append(dict(measured, total=total))
-    return measured["done"] + 12 if len(checks) == 1 else None
+    return measured["done"] + 44 if len(checks) == 1 else measured["done"]
 
-  monkeypatch.setattr(budget, "revised_total_steps", revise_once)
-  config = small_config(num_epochs=20, warmup_steps=10, log_every_steps=1,
-                        eval_every_epochs=5, time_budget_minutes=60.0,
+  monkeypatch.setattr(budget, "revised_total_steps", revise_twice)
+  config = small_config(num_epochs=30, warmup_steps=10, log_every_steps=5,
+                        eval_every_epochs=6, time_budget_minutes=60.0,
                         checkpoint_every_steps=1000)
   workdir = str(tmp_path)
   caplog.set_level(logging.WARNING, logger="jax")
   with jax.log_compiles():
-    train.train_and_evaluate(config, workdir)
+    metrics = train.train_and_evaluate(config, workdir)
   compiled = [r.getMessage().split(" with ")[0] for r in caplog.records
               if r.getMessage().startswith("Compiling ")]
-  # The upper bound's schedule, the plan's, the revision's.
+  # The upper bound's schedule, the plan's, the first revision's.
   assert compiled.count("Compiling jit(train_step)") == 3, compiled
   assert compiled.count("Compiling jit(eval_step)") == 1, compiled
   with open(os.path.join(workdir, budget.PLAN_FILE)) as f:
     plan = json.load(f)
-  # 4 steps an epoch, an evaluation every 20 steps: planned (the upper bound
-  # of 80 steps fits) at step 21, timed from step 22, so the evaluation at
-  # step 40 is too early to check (18 steps) and the one at 60 checks.
-  assert plan["first_total_steps"] == 80
-  assert plan["revisions"] == [[60, 72]] and plan["total_steps"] == 72
-  assert [c["done"] for c in checks] == [60]  # then the run ends first
-  assert checks[0]["total"] == 80 and checks[0]["step_seconds"] > 0
-  assert "training to step 72 (18.00 epochs) instead of 80" in (
-      capsys.readouterr().out)
-  train_records = [r for r in metric_writer.read_metrics(workdir)
-                   if r["split"] == "train"]
-  assert train_records[-1]["step"] == 72
+  # 4 steps an epoch, an evaluation every 24 steps: planned (the upper bound
+  # of 120 steps fits) at step 21, timed from step 22, so the evaluation at
+  # step 24 is too early to check; the one at 48 checks, and the one at 72
+  # (timed from step 49).
+  assert plan["first_total_steps"] == 120
+  assert plan["revisions"] == [[48, 92], [72, 72]]
+  assert plan["total_steps"] == 72
+  assert [c["done"] for c in checks] == [48, 72]
+  assert checks[0]["total"] == 120 and checks[1]["total"] == 92
+  assert checks[0]["step_seconds"] > 0
+  out = capsys.readouterr().out
+  assert "training to step 92 (23.00 epochs) instead of 120" in out
+  assert "ending the run here instead of at step 92" in out
+  records = metric_writer.read_metrics(workdir)
+  train_records = [r for r in records if r["split"] == "train"]
+  # Ended after its evaluation at step 72: no second one, saved there.
+  assert [r["step"] for r in records if r["split"] == "eval"] == [24, 48, 72]
+  assert train_records[-1]["step"] == 72 and metrics["epoch"] == 18.0
+  saved = [int(d) for d in os.listdir(os.path.join(workdir, "checkpoints"))]
+  assert max(saved) == 72
   warped = budget.warped_schedule(
-      optim.learning_rate_schedule(config, 80, 4), 80, [(60, 72)])
+      optim.learning_rate_schedule(config, 120, 4), 120, [(48, 92), (72, 72)])
+  rates = np.asarray(warped(np.arange(72)))  # step s updates with rates[s-1]
   logged = {r["step"]: r["learning_rate"] for r in train_records}
-  # Step s is logged with the rate its update used, the schedule's at s - 1.
-  np.testing.assert_allclose([logged[s] for s in range(1, 73)],
-                             warped(np.arange(72)), rtol=1e-5, atol=1e-9)
-  # The rates after the revision differ from the unrevised schedule's.
-  unrevised = optim.learning_rate_schedule(config, 80, 4)
-  assert logged[70] < 0.8 * float(unrevised(69))
+  # Each log line has the mean rate of the steps since the last one; the
+  # last line is the run's end, step 72, two steps after step 70's.
+  ends = list(range(5, 71, 5)) + [72]
+  assert sorted(logged) == ends
+  np.testing.assert_allclose(
+      [logged[end] for end in ends],
+      [rates[start:end].mean() for start, end in zip([0] + ends, ends)],
+      rtol=1e-5, atol=1e-9)
+  # The rates after the first revision differ from the unrevised schedule's.
+  unrevised = optim.learning_rate_schedule(config, 120, 4)
+  assert rates[69] < 0.8 * float(unrevised(69))
   # A resumed run builds its schedule from the plan file: the same rates.
   from_file = budget.planned_schedule(config, budget.read_plan(workdir), 4)
-  np.testing.assert_allclose(from_file(np.arange(72)), warped(np.arange(72)),
+  np.testing.assert_allclose(from_file(np.arange(72)), rates,
                              rtol=1e-6, atol=1e-12)
 
 

@@ -115,11 +115,15 @@ def revised_total_steps(*, total: int, recompile_seconds: float,
                         **measured) -> Optional[int]:
   """A new step count for a run planned to `total`, or None to keep it.
 
-  measured: the keywords of predicted_seconds but fixed_seconds, measured
-  now (step_seconds: the mean step since the plan). Revised when the
-  run as planned would end past the budget, or when the steps that fit
-  beyond `total` take longer than twice the recompilation a revision costs;
-  then to the longest run that fits, paying that recompilation.
+  Called after the evaluation of step `done`. measured: the keywords of
+  predicted_seconds but fixed_seconds, measured now (step_seconds: the
+  mean step since the plan). Revised when the run as planned would end
+  past the budget, or when the steps that fit beyond `total` take longer
+  than twice the recompilation a revision costs; then to the longest run
+  that fits, paying that recompilation. A shortened run that could train
+  only for less time than the recompilation and its final evaluation take
+  ends at `done` instead (that evaluation is its last): a few more steps
+  would cost more than they train.
   """
   fitting = plan_total_steps(budget_seconds=budget_seconds,
                              upper_bound=upper_bound,
@@ -127,7 +131,12 @@ def revised_total_steps(*, total: int, recompile_seconds: float,
   overruns = predicted_seconds(total, fixed_seconds=0.0,
                                **measured) > budget_seconds
   gain_seconds = (fitting - total) * measured["step_seconds"]
-  if overruns or gain_seconds > 2 * recompile_seconds:
+  if overruns:
+    training_seconds = (fitting - measured["done"]) * measured["step_seconds"]
+    if training_seconds < recompile_seconds + measured["eval_seconds"]:
+      return measured["done"]
+    return fitting if fitting != total else None
+  if gain_seconds > 2 * recompile_seconds:
     return fitting if fitting != total else None
   return None
 
@@ -137,11 +146,12 @@ def warp_knots(first_total_steps: int, revisions: list[tuple[int, int]]
   """Knots (steps, schedule steps) of the piecewise-linear time warp that
   the revisions [(at_step, total_steps), ...] make: the identity up to the
   first revision, then after each one a straight run from where the
-  schedule is to the end of the first plan's schedule at the new total."""
+  schedule is to the end of the first plan's schedule at the new total. A
+  last revision to total_steps == at_step ends the run there."""
   steps, schedule_steps = [0.0], [0.0]
   end = first_total_steps
   for at_step, total in revisions:
-    if not steps[-1] < at_step < end or total <= at_step:
+    if not steps[-1] < at_step < end or total < at_step:
       raise ValueError(
           f"Time plan revision ({at_step}, {total}) does not follow a run "
           f"planned to step {end} from step {steps[-1]:g}; delete "
@@ -252,12 +262,19 @@ def revise(config: ml_collections.ConfigDict, workdir: str, plan: dict, *,
   plan.update(total_steps=revised, epochs=round(revised / steps_per_epoch, 3))
   if jax.process_index() == 0:
     write_plan(workdir, plan)
-  metric_writer.log(
-      f"Time budget of {config.time_budget_minutes:g} minutes: at step "
-      f"{done}, {step_seconds * 1e3:.1f} ms per step and "
-      f"{eval_seconds:.1f} s per evaluation since the plan; training "
-      f"to step {revised} ({revised / steps_per_epoch:.2f} epochs) instead "
-      f"of {total}, the rest of the schedule warped to end there.")
+  measured = (f"Time budget of {config.time_budget_minutes:g} minutes: at "
+              f"step {done}, {step_seconds * 1e3:.1f} ms per step and "
+              f"{eval_seconds:.1f} s per evaluation since the plan; ")
+  if revised == done:
+    metric_writer.log(
+        measured + f"ending the run here instead of at step {total}: the "
+        "steps that still fit would take less time than the recompilation "
+        "and the final evaluation they need.")
+  else:
+    metric_writer.log(
+        measured + f"training to step {revised} "
+        f"({revised / steps_per_epoch:.2f} epochs) instead of {total}, the "
+        "rest of the schedule warped to end there.")
   return True
 
 

@@ -519,8 +519,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   def revise_time_budget(done, train_end):
     """Revises total_steps if the plan no longer fits (budget.py), timing
-    the steps from check_mark to `train_end`."""
-    nonlocal check_mark
+    the steps from check_mark to `train_end`. A revision may end the run
+    at `done`, just evaluated: then it is saved there, not recompiled."""
+    nonlocal check_mark, total_steps
     mark_time, mark_step, mark_paused = check_mark
     if done - mark_step < budget.MEASURED_STEPS:
       return  # too few steps to time; the next evaluation checks
@@ -533,7 +534,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         recompile_seconds=first_step_seconds,
         elapsed_seconds=time.perf_counter() - start_time,
         steps_per_epoch=steps_per_epoch, upper_bound=upper_bound):
-      follow_plan()
+      if time_plan["total_steps"] > done:
+        follow_plan()
+      else:
+        total_steps = done
+        if pending:  # logged as the last step's metrics
+          flush(done)
+        checkpoints.save(manager, state)  # a no-op if saved already
     check_mark = None  # timed again from the next step
 
   best_accuracy = checkpoints.best_accuracy(workdir)  # read before any write
