@@ -139,8 +139,9 @@ def test_shape_trace_and_summary_with_shifted_patches():
   model = small_vit(shifted_patches=True, locality_attention=True)
   params, images = _init(model)
   rows = introspect.shape_trace(model, params, images)
-  assert rows[1] == ("shifted patch tokens (image + 4 shifts, 4x4 patches, "
-                     "LayerNorm, linear)", (3, 4, 4, 32))
+  assert rows[1:3] == [("shifted patch tokens (image + 4 shifts, 4x4 "
+                        "patches, LayerNorm, linear)", (3, 16, 32)),
+                       ("+ class token", (3, 17, 32))]
   summary = dict(introspect.parameter_summary(params))
   assert list(summary)[:2] == ["embedding_norm", "embedding"]
   assert summary["embedding_norm"] == 2 * 4 * 4 * 15

@@ -339,14 +339,17 @@ def test_scan_and_remat_apply_per_layer_drop_path():
     assert not np.allclose(a, b), mode
 
 
-@pytest.mark.parametrize("classifier,posemb", [("token", "learn"),
-                                               ("gap", "sincos2d")])
+@pytest.mark.parametrize("classifier,posemb,shifted_patches", [
+    ("token", "learn", False), ("gap", "sincos2d", True)])
 def test_patch_dropout_trains_on_a_random_subset_of_the_embedded_patches(
-    classifier, posemb):
+    classifier, posemb, shifted_patches):
   """Training keeps round(0.75 * 16) = 12 of each image's 16 embedded patch
   tokens: its own subset, in grid order, each patch equally likely; the
-  class token always. Evaluation sees every token."""
-  settings = dict(classifier=classifier, posemb=posemb)
+  class token always. The patches are dropped before they are embedded,
+  so each kept token must equal its token in the full sequence. Evaluation
+  sees every token."""
+  settings = dict(classifier=classifier, posemb=posemb,
+                  shifted_patches=shifted_patches)
   model = _tiny(patch_dropout_rate=0.25, **settings)
   variables = flax.core.unfreeze(_init(model, (1, 16, 16, 3)))
   variables["params"]["head"]["kernel"] = jnp.ones((32, 5))  # not zero

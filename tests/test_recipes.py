@@ -189,7 +189,7 @@ def test_sam_steps_with_the_gradient_at_the_ascended_params():
 
 
 @pytest.mark.slow
-def test_trainer_runs_with_every_recipe_component(tmp_path):
+def test_trainer_runs_with_every_recipe_component(tmp_path, capsys):
   config = small_config(
       auto_augment="trivialaugment", random_erasing=0.25, mixup_alpha=0.8,
       cutmix_alpha=1.0, optimizer="lamb", layer_decay=0.75,
@@ -198,8 +198,15 @@ def test_trainer_runs_with_every_recipe_component(tmp_path):
   config.model.drop_path_rate = 0.1
   config.model.posemb = "sincos2d"
   config.model.classifier = "gap"
+  config.model.patch_dropout_rate = 0.5
+  config.model.shifted_patches = True
+  config.model.locality_attention = True
   metrics = train.train_and_evaluate(config, str(tmp_path))
   assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["ema_loss"])
+  # The model line says how many of the 16x16 image's 4x4 patches a step
+  # trains on.
+  assert "trained on 8 of its 16 patches (patch dropout 0.5)" in (
+      capsys.readouterr().out)
   # Resumes (EMA params are part of the checkpointed state).
   assert train.train_and_evaluate(config, str(tmp_path))["accuracy"] == \
       metrics["accuracy"]

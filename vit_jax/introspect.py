@@ -105,12 +105,14 @@ def shape_trace(model: nn.Module, params, images: jax.Array
   encoder = got["Transformer"]
   shape = lambda value: tuple(value[0].shape)
   patch = f"{model.patch_size}x{model.patch_size}"
-  rows = [("input image", tuple(images.shape)),
-          (f"shifted patch tokens (image + 4 shifts, {patch} patches, "
-           "LayerNorm, linear)" if model.shifted_patches else
-           f"patch embedding (conv {patch}, stride {model.patch_size})",
-           shape(got["embedding"]["__call__"])),
-          ("flatten to patch tokens", shape(got["patch_tokens"]))]
+  rows = [("input image", tuple(images.shape))]
+  if model.shifted_patches:  # embeds the patches as tokens, (B, N, D)
+    rows.append((f"shifted patch tokens (image + 4 shifts, {patch} patches, "
+                 "LayerNorm, linear)", shape(got["patch_tokens"])))
+  else:
+    rows += [(f"patch embedding (conv {patch}, stride {model.patch_size})",
+              shape(got["embedding"]["__call__"])),
+             ("flatten to patch tokens", shape(got["patch_tokens"]))]
   if "with_class_token" in got:
     rows.append(("+ class token", shape(got["with_class_token"])))
   rows.append(("+ position embedding", shape(encoder["embedded"])))

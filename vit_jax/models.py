@@ -27,6 +27,11 @@ CLASSIFIERS = ("token", "gap")
 POSITION_EMBEDDINGS = ("learn", "sincos2d")
 
 
+def num_kept_patches(num_patches: int, patch_dropout_rate: float) -> int:
+  """How many of an image's patches a training step keeps (at least 1)."""
+  return max(1, round(num_patches * (1.0 - patch_dropout_rate)))
+
+
 class ViTInputError(ValueError):
   """An input the model cannot take; the message says what to change."""
 
@@ -167,10 +172,11 @@ class Encoder(nn.Module):
   """Position embeddings, dropout, `num_layers` blocks, final LayerNorm.
 
   The learned position embedding is added here (official layout); with
-  learned_posemb=False the caller has added fixed ones. In training, patch
-  dropout then keeps a random subset of the patch tokens (the first
-  num_prefix_tokens, the class token, always). Block i drops its residual
-  branches with rate drop_path_rate * i / (num_layers - 1).
+  learned_posemb=False the caller has added fixed ones. Under patch dropout
+  x holds the first num_prefix_tokens (the class token) and then only the
+  kept patches' tokens, patch_indices (B, K) in the grid: the position
+  embedding is gathered to match. Block i drops its residual branches with
+  rate drop_path_rate * i / (num_layers - 1).
 
   scan_blocks / remat_blocks change how the blocks run, never the parameter
   tree (`encoderblock_{i}` as in the official checkpoints): the blocks'
@@ -186,7 +192,6 @@ class Encoder(nn.Module):
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
   drop_path_rate: float = 0.0
-  patch_dropout_rate: float = 0.0
   num_prefix_tokens: int = 0
   learned_posemb: bool = True
   locality_attention: bool = False
@@ -198,11 +203,10 @@ class Encoder(nn.Module):
   param_dtype: Dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
+  def __call__(self, x: jax.Array, *, deterministic: bool,
+               patch_indices: Optional[jax.Array] = None) -> jax.Array:
     if self.learned_posemb:
-      x = self._add_learned_posemb(x)
-    if self.patch_dropout_rate and not deterministic:
-      x = self._drop_patches(x)
+      x = self._add_learned_posemb(x, patch_indices)
     self.sow("intermediates", "embedded", x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
     if ((self.scan_blocks or self.remat_blocks) and not self.is_initializing()
@@ -216,21 +220,6 @@ class Encoder(nn.Module):
         self.sow("intermediates", "block_outputs", x)
     return nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype,
                         param_dtype=self.param_dtype, name="encoder_norm")(x)
-
-  def _drop_patches(self, x: jax.Array) -> jax.Array:
-    """PatchDropout (Liu et al. 2023): (B, prefix + N, D) -> (B, prefix + K,
-    D), each image keeping its own random K = round((1 - rate) N) patch
-    tokens, in grid order. The tokens already carry their position
-    embedding, so the encoder knows where each kept patch sits; its cost
-    falls with the tokens (attention's quadratically)."""
-    prefix = x[:, :self.num_prefix_tokens]
-    patches = x[:, self.num_prefix_tokens:]
-    batch, num_patches, _ = patches.shape
-    num_kept = max(1, round(num_patches * (1.0 - self.patch_dropout_rate)))
-    scores = jax.random.uniform(self.make_rng("dropout"), (batch, num_patches))
-    kept = jnp.sort(jnp.argsort(scores, axis=1)[:, :num_kept], axis=1)
-    patches = jnp.take_along_axis(patches, kept[..., None], axis=1)
-    return jnp.concatenate([prefix, patches], axis=1)
 
   def _drop_path_rate_of(self, layer: int) -> float:
     return self.drop_path_rate * layer / max(self.num_layers - 1, 1)
@@ -296,19 +285,22 @@ class Encoder(nn.Module):
     x, _ = jax.lax.scan(body, x, xs)
     return x
 
-  def _add_learned_posemb(self, x: jax.Array) -> jax.Array:
+  def _add_learned_posemb(self, x: jax.Array,
+                          patch_indices: Optional[jax.Array]) -> jax.Array:
     num_tokens, hidden_size = x.shape[1:]
-    if self.has_variable("params", "posembed_input"):
-      expected = self.variables["params"]["posembed_input"]["pos_embedding"]
-      if expected.shape[1] != num_tokens:
-        raise ViTInputError(
-            f"The input gives {num_tokens} tokens but the position embedding "
-            f"holds {expected.shape[1]}: the image size differs from the one "
-            "the model was initialised with. Resize images to that size, or "
-            "resize the position embedding to the new grid before fine-tuning.")
+    if patch_indices is not None:
+      # Made (at initialisation, from every patch) before any are dropped.
+      num_tokens = self.variables["params"]["posembed_input"][
+          "pos_embedding"].shape[1]
     pos_embedding = PositionEmbedding(
-        param_dtype=self.param_dtype, name="posembed_input")(num_tokens,
-                                                             hidden_size)
+        param_dtype=self.param_dtype, name="posembed_input")(
+            num_tokens, hidden_size)  # (1, prefix + N, D)
+    if patch_indices is not None:  # the kept patches' rows, after the prefix
+      prefix = self.num_prefix_tokens
+      kept = jnp.take(pos_embedding[0, prefix:], patch_indices, axis=0)
+      prefix_rows = jnp.broadcast_to(pos_embedding[:, :prefix],
+                                     (x.shape[0], prefix, hidden_size))
+      pos_embedding = jnp.concatenate([prefix_rows, kept], axis=1)
     return x + pos_embedding.astype(x.dtype)
 
 
@@ -369,10 +361,11 @@ class VisionTransformer(nn.Module):
       less (0 for the first).
     patch_dropout_rate: PatchDropout (Liu et al. 2023, "PatchDropout:
       Economizing Vision Transformers Using Patch Dropout"): in training,
-      each image drops this fraction of its patch tokens (random, after the
-      position embedding; the class token stays) before the encoder, which
-      then costs less per image, attention quadratically less. Evaluation
-      sees every token.
+      each image drops this fraction of its patches (random, its own; the
+      class token stays), so the encoder costs less per image, attention
+      quadratically less. The patches are dropped before they are
+      embedded, which gives the same tokens as dropping embedded tokens
+      for less work. Evaluation sees every patch.
     shifted_patches: Shifted Patch Tokenization (Lee et al. 2021, "Vision
       Transformer for Small-Size Datasets"): the image and four copies
       shifted diagonally by half a patch are stacked on the channel axis,
@@ -424,19 +417,24 @@ class VisionTransformer(nn.Module):
   @nn.compact
   def __call__(self, images: jax.Array, *, train: bool = False) -> jax.Array:
     self._check_input(images)
+    batch, height, width, _ = images.shape
+    grid_h, grid_w = height // self.patch_size, width // self.patch_size
+    patch_indices = None  # all patches, in grid order
+    # Not at initialisation: the position embedding is made for every patch.
+    if train and self.patch_dropout_rate and not self.is_initializing():
+      patch_indices = self._kept_patches(batch, grid_h * grid_w)
     x = images.astype(self.dtype)
     if self.shifted_patches:
-      x = self._embed_shifted_patches(x)
+      x = self._embed_shifted_patches(x, patch_indices)
     else:
-      x = nn.Conv(self.hidden_size, (self.patch_size, self.patch_size),
-                  strides=(self.patch_size, self.patch_size), padding="VALID",
-                  dtype=self.dtype, param_dtype=self.param_dtype,
-                  name="embedding")(x)  # (B, H/P, W/P, D)
-    batch, grid_h, grid_w, hidden = x.shape
-    x = x.reshape(batch, grid_h * grid_w, hidden)  # (B, N, D)
+      x = self._embed_patches(x, patch_indices)
+    hidden = x.shape[-1]  # x: (B, N or K, D)
     self.sow("intermediates", "patch_tokens", x)
     if self.posemb == "sincos2d":
-      x = x + sincos_2d_posemb(grid_h, grid_w, hidden).astype(x.dtype)
+      table = sincos_2d_posemb(grid_h, grid_w, hidden)[0]  # (N, D)
+      if patch_indices is not None:
+        table = jnp.take(table, patch_indices, axis=0)  # (B, K, D)
+      x = x + table.astype(x.dtype)
 
     if self.classifier == "token":
       cls = self.param("cls", nn.initializers.zeros, (1, 1, hidden),
@@ -450,7 +448,6 @@ class VisionTransformer(nn.Module):
         mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
         attention_dropout_rate=self.attention_dropout_rate,
         drop_path_rate=self.drop_path_rate,
-        patch_dropout_rate=self.patch_dropout_rate,
         num_prefix_tokens=int(self.classifier == "token"),
         learned_posemb=self.posemb == "learn",
         locality_attention=self.locality_attention,
@@ -458,7 +455,7 @@ class VisionTransformer(nn.Module):
         layer_norm_epsilon=self.layer_norm_epsilon,
         scan_blocks=self.scan_blocks, remat_blocks=self.remat_blocks,
         dtype=self.dtype, param_dtype=self.param_dtype, name="Transformer")(
-            x, deterministic=not train)
+            x, deterministic=not train, patch_indices=patch_indices)
 
     x = x[:, 0] if self.classifier == "token" else jnp.mean(x, axis=1)
     self.sow("intermediates", "pooled", x)
@@ -474,25 +471,64 @@ class VisionTransformer(nn.Module):
                       kernel_init=nn.initializers.zeros, name="head")(x)
     return logits.astype(jnp.float32)
 
-  def _embed_shifted_patches(self, images: jax.Array) -> jax.Array:
-    """Shifted Patch Tokenization: (B, H, W, C) -> (B, H/P, W/P, D).
+  def _kept_patches(self, batch: int, num_patches: int) -> jax.Array:
+    """Patch dropout's choice: (B, K) indices into the grid's N patches,
+    K = round((1 - rate) N), each image its own random subset, ascending
+    (grid order)."""
+    num_kept = num_kept_patches(num_patches, self.patch_dropout_rate)
+    scores = jax.random.uniform(self.make_rng("dropout"), (batch, num_patches))
+    return jnp.sort(jnp.argsort(scores, axis=1)[:, :num_kept], axis=1)
+
+  def _patches(self, images: jax.Array,
+               patch_indices: Optional[jax.Array]) -> jax.Array:
+    """(B, H, W, C) -> (B, N, P, P, C) in grid order, or (B, K, P, P, C):
+    the patches patch_indices (B, K)."""
+    batch, height, width, channels = images.shape
+    patch = self.patch_size
+    x = images.reshape(batch, height // patch, patch, width // patch, patch,
+                       channels).transpose(0, 1, 3, 2, 4, 5)
+    x = x.reshape(batch, -1, patch, patch, channels)
+    if patch_indices is not None:
+      x = jnp.take_along_axis(x, patch_indices[:, :, None, None, None], axis=1)
+    return x
+
+  def _embed_patches(self, images: jax.Array,
+                     patch_indices: Optional[jax.Array]) -> jax.Array:
+    """The paper's patch embedding, a Conv with kernel = stride = P:
+    (B, H, W, C) -> (B, N, D), or (B, K, D) for the patches patch_indices
+    (B, K), embedded by the same Conv laid side by side in a strip."""
+    embed = nn.Conv(self.hidden_size, (self.patch_size, self.patch_size),
+                    strides=(self.patch_size, self.patch_size),
+                    padding="VALID", dtype=self.dtype,
+                    param_dtype=self.param_dtype, name="embedding")
+    if patch_indices is None:
+      x = embed(images)  # (B, H/P, W/P, D)
+      return x.reshape(x.shape[0], -1, x.shape[-1])
+    patches = self._patches(images, patch_indices)  # (B, K, P, P, C)
+    batch, num_kept, patch, _, channels = patches.shape
+    strip = patches.transpose(0, 2, 1, 3, 4).reshape(
+        batch, patch, num_kept * patch, channels)  # (B, P, K * P, C)
+    return embed(strip).reshape(batch, num_kept, self.hidden_size)
+
+  def _embed_shifted_patches(self, images: jax.Array,
+                             patch_indices: Optional[jax.Array]) -> jax.Array:
+    """Shifted Patch Tokenization: (B, H, W, C) -> (B, N, D), or (B, K, D)
+    for the patches patch_indices (B, K).
 
     Stacks the images and 4 diagonal shifts by half a patch (zero fill),
     layer-normalises each patch of the stack (its P * P * 5C values) and maps
     it linearly to D, with a kernel laid out like the Conv's (P, P, 5C, D).
     """
-    batch, height, width, channels = images.shape
+    _, height, width, _ = images.shape
     shift = self.patch_size // 2
     padded = jnp.pad(images, ((0, 0), (shift, shift), (shift, shift), (0, 0)))
     # The window at (dy, dx) of the padded image is the image moved by
     # (shift - dy, shift - dx): down-right, down-left, up-right, up-left.
     shifted = [padded[:, dy:dy + height, dx:dx + width]
                for dy in (0, 2 * shift) for dx in (0, 2 * shift)]
-    x = jnp.concatenate([images] + shifted, axis=-1)
-    patch = self.patch_size
-    x = x.reshape(batch, height // patch, patch, width // patch, patch,
-                  5 * channels)  # (B, H/P, P, W/P, P, 5C)
-    patch_axes = (2, 4, 5)
+    x = self._patches(jnp.concatenate([images] + shifted, axis=-1),
+                      patch_indices)  # (B, N or K, P, P, 5C)
+    patch_axes = (2, 3, 4)
     x = nn.LayerNorm(reduction_axes=patch_axes, feature_axes=patch_axes,
                      epsilon=self.layer_norm_epsilon, dtype=self.dtype,
                      param_dtype=self.param_dtype, name="embedding_norm")(x)
@@ -521,6 +557,18 @@ class VisionTransformer(nn.Module):
           f"Image size {height}x{width} is not divisible by patch_size "
           f"{self.patch_size}. Resize or crop the images to a multiple of "
           f"{self.patch_size}, or pick a patch_size that divides both sides.")
+    posemb = self.variables.get("params", {}).get("Transformer", {}).get(
+        "posembed_input")
+    if posemb is not None:
+      num_tokens = (int(self.classifier == "token") +
+                    (height // self.patch_size) * (width // self.patch_size))
+      if posemb["pos_embedding"].shape[1] != num_tokens:
+        raise ViTInputError(
+            f"The input gives {num_tokens} tokens but the position embedding "
+            f"holds {posemb['pos_embedding'].shape[1]}: the image size "
+            "differs from the one the model was initialised with. Resize "
+            "images to that size, or resize the position embedding to the "
+            "new grid before fine-tuning.")
     if self.has_variable("params", "embedding"):
       expected = self.variables["params"]["embedding"]["kernel"].shape[2]
       expected //= 5 if self.shifted_patches else 1

@@ -22,8 +22,9 @@ from flax.training import train_state
 from jax.experimental import multihost_utils
 
 from vit_jax import (augment, budget, checkpoints, datasets, host,
-                     input_pipeline, metric_writer, mixing, optim, preemption,
-                     pretrained, sharding, tools, validation, variants)
+                     input_pipeline, metric_writer, mixing, models, optim,
+                     preemption, pretrained, sharding, tools, validation,
+                     variants)
 
 
 _MAX_STEPS_IN_FLIGHT = 2
@@ -363,9 +364,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                              ema=config.ema_decay > 0)
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
   dims = config.model  # the name's dims may have been overridden: say them
+  num_patches = (height // dims.patch_size) * (width // dims.patch_size)
+  rate = dims.patch_dropout_rate
+  patch_dropout = (
+      f", trained on {models.num_kept_patches(num_patches, rate)} of its "
+      f"{num_patches} patches (patch dropout {rate:g})" if rate else "")
   log(f"Model: {dims.name} (patch {dims.patch_size}, width {dims.hidden_size}"
       f", {dims.num_layers} layers, {dims.num_heads} heads, MLP "
-      f"{dims.mlp_dim}), {num_params:,} parameters; "
+      f"{dims.mlp_dim}), {num_params:,} parameters{patch_dropout}; "
       f"{mesh.size} device(s) ({jax.devices()[0].platform}) in "
       f"{jax.process_count()} process(es), mesh "
       f"{dict(mesh.shape)}; "
