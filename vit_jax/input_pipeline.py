@@ -12,6 +12,7 @@ array without any transfer between hosts.
 """
 
 import collections
+import functools
 from typing import Iterator
 
 import jax
@@ -20,8 +21,14 @@ import numpy as np
 from vit_jax import sharding
 
 
+# Cached: a permutation of 60,000 examples takes ~1.5 ms, 4% of a 35 ms
+# train step if drawn again for every batch of the epoch.
+@functools.lru_cache(maxsize=2)
 def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
-  return np.random.default_rng([seed, epoch]).permutation(num_examples)
+  """The order in which epoch `epoch` visits the examples (read-only)."""
+  order = np.random.default_rng([seed, epoch]).permutation(num_examples)
+  order.flags.writeable = False
+  return order
 
 
 def train_batch_indices(num_examples: int, batch_size: int, seed: int,
