@@ -50,7 +50,7 @@ def get_config():
   config.model.shifted_patches = True  # Lee et al. 2021's SPT and LSA
   config.model.locality_attention = True
   config.model.patch_dropout_rate = 0.75  # trains on 12 of the 49 tokens
-  config.num_epochs = 120  # at most; the time budget decides
+  config.num_epochs = 300  # at most; the time budget decides
   config.time_budget_minutes = 60  # plans the steps that fit (budget.py)
   config.batch_size = 128
   config.learning_rate = 2e-3
@@ -62,7 +62,7 @@ def get_config():
   config.random_flip = True  # garments are left-right symmetric
   config.eval_flip_average = True  # and so classified from both sides
   config.eval_batch_size = 100  # 1.5x the images/s of 1000 here (cache)
-  config.eval_every_epochs = 10
+  config.eval_every_epochs = 20
   config.cpu_devices = -1  # a device per core: small matmuls (README)
   config.log_every_steps = 100
   config.checkpoint_every_steps = 2000
