@@ -131,14 +131,13 @@ def revised_total_steps(*, total: int, recompile_seconds: float,
   overruns = predicted_seconds(total, fixed_seconds=0.0,
                                **measured) > budget_seconds
   gain_seconds = (fitting - total) * measured["step_seconds"]
-  if overruns:
-    training_seconds = (fitting - measured["done"]) * measured["step_seconds"]
-    if training_seconds < recompile_seconds + measured["eval_seconds"]:
-      return measured["done"]
-    return fitting if fitting != total else None
-  if gain_seconds > 2 * recompile_seconds:
-    return fitting if fitting != total else None
-  return None
+  if not overruns and gain_seconds <= 2 * recompile_seconds:
+    return None
+  training_seconds = (fitting - measured["done"]) * measured["step_seconds"]
+  if overruns and (training_seconds <
+                   recompile_seconds + measured["eval_seconds"]):
+    return measured["done"]
+  return fitting if fitting != total else None
 
 
 def warp_knots(first_total_steps: int, revisions: list[tuple[int, int]]
