@@ -1,5 +1,6 @@
 """Official/big_vision .npz layouts, position-embedding resize, re-heading."""
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -185,6 +186,23 @@ def test_adapt_reheads_resizes_and_drops_pre_logits():
   assert report[0] == f"{total - head:,} of {total:,} parameters loaded"
   assert target_model.apply({"params": params},
                             np.ones((2, 32, 32, 3))).shape == (2, 10)
+
+
+def test_adapt_loads_a_model_with_fixed_position_embeddings():
+  """Sin-cos position embeddings are not parameters: a sincos2d model, at
+  the same or another image size, loads every parameter of its checkpoint;
+  a learned posemb on one side only is named."""
+  model = small_vit(classifier="gap", posemb="sincos2d")
+  source = _random_params(model)
+  target = _random_params(model, image_size=32, seed=5)
+  params, report = pretrained.adapt_params(source, target, (8, 8))
+  chex.assert_trees_all_equal(params, source)
+  total = sum(x.size for x in jax.tree.leaves(target))
+  assert report == [f"{total:,} of {total:,} parameters loaded"]
+  learned = _random_params(small_vit(classifier="gap"))
+  with pytest.raises(ValueError, match="pos_embedding exists only in the "
+                     "checkpoint"):
+    pretrained.adapt_params(learned, source, (4, 4))
 
 
 def test_adapt_names_the_first_mismatch():

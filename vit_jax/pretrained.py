@@ -179,11 +179,15 @@ def adapt_params(loaded: dict, target: dict, grid: tuple[int, int], *,
     else:
       report.append(f"{optional}: dropped (the model has none)")
   posemb_key = "Transformer/posembed_input/pos_embedding"
-  old, new = loaded[posemb_key].shape, target[posemb_key].shape
-  if old != new and old[2] == new[2]:
-    loaded[posemb_key] = resize_pos_embedding(
-        loaded[posemb_key], grid, 1 if "cls" in target else 0, method=method)
-    report.append(f"position embedding: resized {old} -> {new} ({method})")
+  # Sin-cos position embeddings are fixed, not parameters: nothing to resize.
+  # A learned one on one side only is reported by the key check below.
+  if posemb_key in loaded and posemb_key in target:
+    old, new = loaded[posemb_key].shape, target[posemb_key].shape
+    if old != new and old[2] == new[2]:
+      loaded[posemb_key] = resize_pos_embedding(
+          loaded[posemb_key], grid, 1 if "cls" in target else 0,
+          method=method)
+      report.append(f"position embedding: resized {old} -> {new} ({method})")
   for key in sorted(set(loaded) | set(target)):
     if key not in target or key not in loaded:
       where = "the checkpoint" if key in loaded else "the model"
