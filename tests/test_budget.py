@@ -138,6 +138,26 @@ def test_revision_keeps_a_run_on_time_and_lengthens_only_when_it_pays():
   assert short is None  # 20 steps (6 s) do not pay a 10 s recompilation
 
 
+def test_step_time_forecast_follows_a_lasting_change_of_speed():
+  """Timed windows [(seconds, steps)], each weighing half as much as the
+  next: steady windows give their speed, a lasting speed-up is followed
+  more closely than by the mean since the plan."""
+  assert budget.recent_step_seconds([(30.0, 1000)]) == pytest.approx(0.03)
+  steady = [(30.0, 1000), (15.0, 500), (60.0, 2000)]
+  assert budget.recent_step_seconds(steady) == pytest.approx(0.03)
+  # 0.03 s a step for three windows, then 0.02 s for two; the weights of
+  # the five equal windows, newest last: 1/16, 1/8, 1/4, 1/2, 1.
+  windows = [(30.0, 1000)] * 3 + [(20.0, 1000)] * 2
+  expected = ((0.03 * (1 / 16 + 1 / 8 + 1 / 4) + 0.02 * (1 / 2 + 1))
+              / (1 / 16 + 1 / 8 + 1 / 4 + 1 / 2 + 1))
+  forecast = budget.recent_step_seconds(windows)
+  assert forecast == pytest.approx(expected)
+  assert forecast < 0.025 < 130.0 / 5000  # the mean since the plan: 0.026
+  # Windows of different lengths: weighed by steps as well.
+  assert budget.recent_step_seconds([(10.0, 100), (10.0, 400)]) == (
+      pytest.approx((0.5 * 10.0 + 10.0) / (0.5 * 100 + 400)))
+
+
 def _warped_by_stepping(schedule, first_total, revisions, last_step):
   """Reference: walks the schedule a step at a time, each step advancing
   the schedule's step by what is left of it over the steps left."""

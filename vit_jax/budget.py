@@ -18,11 +18,14 @@ it resumes at. The budget counts from the call of `train_and_evaluate`
 (data loading and compilation included, Python's start-up not).
 
 The speed of a shared machine drifts: on this project's 2-core VMs the same
-run's steps went 10-20% slower or faster within minutes. So after each
-evaluation the run that made the plan checks it against its mean step and
-evaluation since the plan (the mean, not the last minutes' speed, so that
-the count does not swing with the noise), and revises the step count if it
-would overrun the budget, or if lengthening it pays for the recompilation.
+run's steps went 10-20% slower or faster within minutes, and sometimes
+stayed 40% faster for the last third of a run. So after each evaluation the
+run that made the plan checks it against its step time and mean evaluation
+since the plan, and revises the step count if it would overrun the budget,
+or if lengthening it pays for the recompilation. The step time is timed in
+windows between checks, each weighing half as much as the next
+(`recent_step_seconds`): a lasting change of speed is followed within a
+window or two, and one noisy window moves the forecast by only half.
 A revision time-warps the rest of the learning-rate schedule
 (`warped_schedule`) rather than rebuilding it: the schedule goes on from
 where it is, without a jump, and ends at the new step count. Revisions
@@ -76,6 +79,15 @@ def events_between(done: int, total: int, every_steps: int,
   return max(0, (total - min_gap) // every_steps - done // every_steps) + 1
 
 
+def recent_step_seconds(windows: list[tuple[float, int]]) -> float:
+  """Seconds per step forecast from timed windows [(seconds, steps), ...],
+  oldest first: their steps' mean with each window weighing half as much as
+  the one after it."""
+  weights = 0.5 ** np.arange(len(windows))[::-1]
+  seconds, steps = np.asarray(windows, np.float64).T
+  return float(np.sum(weights * seconds) / np.sum(weights * steps))
+
+
 def predicted_seconds(total: int, *, elapsed_seconds: float, done: int,
                       step_seconds: float, fixed_seconds: float,
                       eval_seconds: float, eval_every_steps: int,
@@ -117,7 +129,7 @@ def revised_total_steps(*, total: int, recompile_seconds: float,
 
   Called after the evaluation of step `done`. measured: the keywords of
   predicted_seconds but fixed_seconds, measured now (step_seconds: the
-  mean step since the plan). Revised when the run as planned would end
+  forecast of recent_step_seconds). Revised when the run as planned would end
   past the budget, or when the steps that fit beyond `total` take longer
   than twice the recompilation a revision costs; then to the longest run
   that fits, paying that recompilation. A shortened run that could train
@@ -262,8 +274,9 @@ def revise(config: ml_collections.ConfigDict, workdir: str, plan: dict, *,
   if jax.process_index() == 0:
     write_plan(workdir, plan)
   measured = (f"Time budget of {config.time_budget_minutes:g} minutes: at "
-              f"step {done}, {step_seconds * 1e3:.1f} ms per step and "
-              f"{eval_seconds:.1f} s per evaluation since the plan; ")
+              f"step {done}, {step_seconds * 1e3:.1f} ms per step (recent "
+              f"windows weighing more) and {eval_seconds:.1f} s per "
+              "evaluation since the plan; ")
   if revised == done:
     metric_writer.log(
         measured + f"ending the run here instead of at step {total}: the "

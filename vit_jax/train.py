@@ -408,11 +408,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                 if config.time_budget_minutes and time_plan is None else None)
   step_ends = []  # times at which the steps before the plan returned
   first_step_seconds = None
-  # The run that makes the plan checks it after each evaluation against the
-  # mean step and evaluation since the plan (budget.revise): the steps are
-  # timed in windows from check_mark, (time, step, paused), set after the
-  # first step that follows a plan or a check so that a recompilation does
-  # not count; timed_windows holds (seconds, steps) of the windows so far.
+  # The run that makes the plan checks it after each evaluation against its
+  # step time and mean evaluation since the plan (budget.revise): the steps
+  # are timed in windows from check_mark, (time, step, paused), set after
+  # the first step that follows a plan or a check so that a recompilation
+  # does not count; timed_windows holds (seconds, steps) of the windows so
+  # far, for budget.recent_step_seconds.
   check_mark, timed_windows, eval_times = None, [], []
 
   def check_finite(step):
@@ -533,9 +534,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       return  # too few steps to time; the next evaluation checks
     timed_windows.append((train_end - mark_time - (paused - mark_paused),
                           done - mark_step))
-    seconds, steps = np.sum(timed_windows, axis=0)
     if budget.revise(
-        config, workdir, time_plan, done=done, step_seconds=seconds / steps,
+        config, workdir, time_plan, done=done,
+        step_seconds=budget.recent_step_seconds(timed_windows),
         eval_seconds=float(np.mean(eval_times)),
         recompile_seconds=first_step_seconds,
         elapsed_seconds=time.perf_counter() - start_time,
