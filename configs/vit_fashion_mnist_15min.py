@@ -33,7 +33,9 @@ session whose speed swung by 2x between runs: planned 22.6 ms per step and
 58.00; test accuracy 92.37% (EMA 92.37%) in 14.4 wall minutes, data
 loading and compilation included; per-epoch curve in
 docs/fashion_mnist_15min.png. Right after it, the 6-layer recipe before
-this one: 37.5 epochs, 92.05% (EMA 92.01%) in 14.0 minutes. Earlier in the
+this one: 37.5 epochs, 92.05% (EMA 92.01%) in 14.0 minutes; then this
+config again, as the machine slowed (revised four times, 22.0 to 29.4 ms
+per step): 49.4 epochs, 92.19% (EMA 92.16%) in 14.5 minutes. Earlier in the
 session, on a machine 1.4x slower: 4 layers, 40.0 epochs, 91.76% (EMA
 91.71%) in 13.7 minutes; 6 layers, 27.6 epochs, 91.38% (EMA 91.38%) in
 14.8. See the README's "Training recipes for small data".
