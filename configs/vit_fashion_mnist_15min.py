@@ -3,23 +3,23 @@ r"""Fashion-MNIST from scratch in 15 minutes of a 2-core CPU.
   python benchmarks/fashion_mnist.py --config=configs/vit_fashion_mnist_15min.py
 
 A ViT (patch embedding + transformer encoder, no convolutional trunk),
-ViT-Micro/4 cut to 4 layers: patch 4 (7x7 = 49 tokens), width 64, 4 layers, 4
-heads, MLP 128 (0.14 M parameters); mean-pooled tokens instead of a class
-token and fixed 2-D sin-cos position embeddings, both cheap and kinder to
-small data; and the two add-ons of Lee et al. 2021 ("Vision Transformer for
-Small-Size Datasets"): Shifted Patch Tokenization (each patch embedded
-together with its diagonal neighbours' edges) and Locality Self-Attention
-(learned softmax temperature, no attention of a token to itself). Each
-training image keeps a random quarter of its patches, 12 of 49 (patch
-dropout, Liu et al. 2023, dropped before they are embedded): a step costs
-22-35 ms here, about a sixth of a step with all 49 tokens, so the budget
-buys 40-58 epochs instead of a few. At this budget epochs pay more than
-depth: 4 layers step 1.5x faster than 6 and ended 0.3-0.4 points higher in
-both pairs of runs measured side by side. The recipe regularises lightly
-otherwise (flip, label smoothing) and reads out an exponential moving
-average of the params; evaluation, every 4 epochs, classifies by the mean
-logits of each test image and its mirror image (`eval_flip_average`; an
-evaluation of params and EMA in batches of 100 costs 8-15 s).
+ViT-Micro/4 cut to 4 layers: patch 4 (7x7 = 49 tokens), width 64, 4 heads,
+MLP 128 (0.14 M parameters); mean-pooled tokens instead of a class token and
+fixed 2-D sin-cos position embeddings, both cheap and kinder to small data;
+and the two add-ons of Lee et al. 2021 ("Vision Transformer for Small-Size
+Datasets"): Shifted Patch Tokenization (each patch embedded together with
+its diagonal neighbours' edges) and Locality Self-Attention (learned softmax
+temperature, no attention of a token to itself). Each training image keeps a
+random quarter of its patches, 12 of 49 (patch dropout, Liu et al. 2023,
+dropped before they are embedded): a step costs 22-35 ms here, about a sixth
+of a step with all 49 tokens, so the budget buys 40-58 epochs instead of a
+few. At this budget epochs pay more than depth: 4 layers step 1.5x faster
+than 6 and ended 0.3-0.4 points higher in both pairs of runs measured side
+by side. The recipe regularises lightly otherwise (flip, label smoothing)
+and reads out an exponential moving average of the params; evaluation, every
+4 epochs, classifies by the mean logits of each test image and its mirror
+image (`eval_flip_average`; an evaluation of params and EMA in batches of
+100 costs 8-15 s).
 
 The config trains to the budget (`time_budget_minutes=15`, at most 80
 epochs): the trainer measures its first steps, an evaluation and a
@@ -29,16 +29,16 @@ faster than planned.
 
 Measured here (2-core CPU, a device per core), alone on the machine, in a
 session whose speed swung by 2x between runs: planned 22.6 ms per step and
-8.5 s per evaluation, so 62.5 epochs, revised at epoch 4 (24.1 ms) to
-58.00; test accuracy 92.37% (EMA 92.37%) in 14.4 wall minutes, data
-loading and compilation included; per-epoch curve in
-docs/fashion_mnist_15min.png. Right after it, the 6-layer recipe before
-this one: 37.5 epochs, 92.05% (EMA 92.01%) in 14.0 minutes; then this
-config again, as the machine slowed (revised four times, 22.0 to 29.4 ms
-per step): 49.4 epochs, 92.19% (EMA 92.16%) in 14.5 minutes. Earlier in the
-session, on a machine 1.4x slower: 4 layers, 40.0 epochs, 91.76% (EMA
-91.71%) in 13.7 minutes; 6 layers, 27.6 epochs, 91.38% (EMA 91.38%) in
-14.8. See the README's "Training recipes for small data".
+8.5 s per evaluation, so 62.5 epochs, revised at epoch 4 (24.1 ms) to 58.00;
+test accuracy 92.37% (EMA 92.37%) in 14.4 wall minutes, data loading and
+compilation included; per-epoch curve in docs/fashion_mnist_15min.png. Right
+after it, the 6-layer recipe before this one: 37.5 epochs, 92.05% (EMA
+92.01%) in 14.0 minutes; then this config again, as the machine slowed
+(revised four times, 22.0 to 29.4 ms per step): 49.4 epochs, 92.19% (EMA
+92.16%) in 14.5 minutes. Earlier in the session, on a machine 1.4x slower: 4
+layers, 40.0 epochs, 91.76% (EMA 91.71%) in 13.7 minutes; 6 layers, 27.6
+epochs, 91.38% (EMA 91.38%) in 14.8. See the README's "Training recipes for
+small data".
 """
 
 from vit_jax import configs
