@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from vit_jax import configs, optim, sharding, train, variants
+from vit_jax import configs, optim, sharding, steps, variants
 
 _MODELS = flags.DEFINE_list("models", ["ViT-Ti/4", "ViT-L/16", "ViT-H/14"],
                             "Variants to analyse.")
@@ -62,10 +62,10 @@ def compile_step(name: str, scan_blocks: bool, remat_blocks: bool,
   schedule = optim.learning_rate_schedule(config, 10_000, 100)
   optimizer = optim.make_optimizer(config, schedule)
   mesh = sharding.make_mesh()
-  state = jax.eval_shape(lambda: train.create_train_state(
+  state = jax.eval_shape(lambda: steps.create_train_state(
       model, shape, optimizer, 0, mesh))
-  train_fn = train.compile_train_step(
-      config, mesh, train.shardings_of(state), np.zeros(3, np.float32),
+  train_fn = steps.compile_train_step(
+      config, mesh, steps.shardings_of(state), np.zeros(3, np.float32),
       np.ones(3, np.float32), True, schedule)
   images = jax.ShapeDtypeStruct((batch,) + shape, jnp.uint8)
   labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
@@ -91,7 +91,7 @@ def time_modes(rows: dict, batch: int) -> dict:
     images = rng.integers(0, 256, (batch,) + row["shape"], np.uint8)
     labels = rng.integers(0, 1000, batch).astype(np.int32)
     inputs[mode] = (jnp.asarray(images), jnp.asarray(labels))
-    states[mode] = train.create_train_state(
+    states[mode] = steps.create_train_state(
         row["model"], row["shape"], row["optimizer"], 0, sharding.make_mesh())
     states[mode], metrics = row["compiled"](states[mode], *inputs[mode])
     jax.block_until_ready(metrics)  # first run: allocation

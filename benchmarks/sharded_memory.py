@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from vit_jax import configs, optim, sharding, train, variants
+from vit_jax import configs, optim, sharding, steps, variants
 
 _MODELS = flags.DEFINE_list("models", ["ViT-L/16", "ViT-H/14"],
                             "Variants to analyse.")
@@ -55,7 +55,7 @@ def analyse(name: str, mesh_config: dict, batches_per_device: list[int],
   def init(key):
     params = model.init({"params": key}, jnp.zeros((1,) + shape),
                         train=False)["params"]
-    return train.TrainState.create(apply_fn=model.apply, params=params,
+    return steps.TrainState.create(apply_fn=model.apply, params=params,
                                    tx=optimizer, rng=key)
 
   key = jax.random.PRNGKey(0)
@@ -77,7 +77,7 @@ def analyse(name: str, mesh_config: dict, batches_per_device: list[int],
       state_mib=init_memory.output_size_in_bytes / MIB,
       init_temp_mib=init_memory.temp_size_in_bytes / MIB,
       init_compile_s=init_seconds)
-  train_fn = train.compile_train_step(
+  train_fn = steps.compile_train_step(
       config, mesh, state_shardings, np.zeros(3, np.float32),
       np.ones(3, np.float32), True, schedule)
   batch_sharding = sharding.batch_sharded(mesh)
@@ -103,22 +103,22 @@ def main(argv):
   print(f"{devices} {jax.devices()[0].platform} devices; MiB per device "
         "(float32 params, AdamW state); train step at 224 px.\n")
   meshes = [dict(data=devices, fsdp=1), dict(data=1, fsdp=devices)]
-  steps = "".join(f" step temp, {b}/device |" for b in batches)
+  step_columns = "".join(f" step temp, {b}/device |" for b in batches)
   print("| model | params | mesh | params | optimizer | state (init) | "
-        f"init temp |{steps} compile init / steps |")
+        f"init temp |{step_columns} compile init / steps |")
   print("|---|---:|---|---:|---:|---:|---:|" + "---:|" * len(batches) +
         "---|")
   for name in _MODELS.value:
     for mesh_config in meshes:
       row = analyse(name, mesh_config, batches, _STEP.value)
       mesh = ", ".join(f"{k}={v}" for k, v in mesh_config.items())
-      steps = "".join(f" {temp:,.0f} |" for temp in row["step_temp_mib"])
+      step_cells = "".join(f" {temp:,.0f} |" for temp in row["step_temp_mib"])
       compile_s = " / ".join(f"{t:.0f}" for t in
                              [row["init_compile_s"]] + row["step_compile_s"])
       print(f"| {name} | {row['params'] / 1e6:.1f} M | {mesh} | "
             f"{row['params_mib']:,.0f} | {row['optimizer_mib']:,.0f} | "
             f"{row['state_mib']:,.0f} | {row['init_temp_mib']:,.0f} |"
-            f"{steps} {compile_s} s |", flush=True)
+            f"{step_cells} {compile_s} s |", flush=True)
 
 
 if __name__ == "__main__":

@@ -69,14 +69,14 @@ def _peak_rss_mib() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def jax_worker(model_name: str, mode: str, steps: int, image_size=None,
+def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
                patch_size=None, batch=None, num_layers=None) -> dict:
   """vit_jax's real train_step (or apply) on random data; returns metrics."""
   import functools
   import jax
   import jax.numpy as jnp
   import optax
-  from vit_jax import models, sharding, train
+  from vit_jax import models, sharding, steps
 
   size, patch, train_batch, infer_batch = MODELS.get(model_name, (0, 0, 0, 0))
   size, patch = image_size or size, patch_size or patch
@@ -90,7 +90,7 @@ def jax_worker(model_name: str, mode: str, steps: int, image_size=None,
       (rng.integers(0, 256, (batch, size, size, 3), np.uint8),
        rng.integers(0, NUM_CLASSES, batch).astype(np.int32)),
       sharding.batch_sharded(mesh))
-  state = train.create_train_state(model, (size, size, 3),
+  state = steps.create_train_state(model, (size, size, 3),
                                    optax.adamw(1e-3, weight_decay=0.05), 0,
                                    mesh)
 
@@ -101,7 +101,7 @@ def jax_worker(model_name: str, mode: str, steps: int, image_size=None,
   start = time.perf_counter()
   if mode == "train":
     step = jax.jit(functools.partial(
-        train.train_step, preprocess=preprocess, label_smoothing=0.0,
+        steps.train_step, preprocess=preprocess, label_smoothing=0.0,
         learning_rate_fn=lambda step: 1e-3), donate_argnums=0)
     lowered = step.lower(state, images, labels)
   else:
@@ -122,7 +122,7 @@ def jax_worker(model_name: str, mode: str, steps: int, image_size=None,
       jax.block_until_ready(metrics)
   else:
     run = lambda: jax.block_until_ready(compiled(state.params, images))
-  seconds = _time_steps(run, steps)
+  seconds = _time_steps(run, num_steps)
   return {"images_per_s": batch / seconds, "flops_per_image": flops / batch,
           "compile_s": compile_s, "peak_rss_mib": _peak_rss_mib(),
           "xla_temp_mib": memory.temp_size_in_bytes / 2**20 if memory else 0,

@@ -21,7 +21,7 @@ from ml_collections import config_flags
 import jax
 import numpy as np
 
-from vit_jax import (datasets, host, input_pipeline, optim, sharding, train,
+from vit_jax import (datasets, host, input_pipeline, optim, sharding, steps,
                      validation, variants)
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/vit_tiny_cifar.py",
@@ -46,11 +46,11 @@ def main(_):
   mesh = sharding.make_mesh()
   model = variants.build_model(config.model, num_classes)
   schedule = optim.learning_rate_schedule(config, 10_000, 100)
-  state = train.create_train_state(model, (height, width, channels),
+  state = steps.create_train_state(model, (height, width, channels),
                                    optim.make_optimizer(config, schedule),
                                    0, mesh, ema=config.ema_decay > 0)
-  train_fn = train.compile_train_step(
-      config, mesh, train.shardings_of(state),
+  train_fn = steps.compile_train_step(
+      config, mesh, steps.shardings_of(state),
       np.full(channels, 127.0, np.float32),
       np.full(channels, 64.0, np.float32), True, schedule)
   batches = input_pipeline.train_batches(images, labels, _BATCH.value, 0, 0,

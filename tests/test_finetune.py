@@ -9,8 +9,8 @@ import pytest
 
 from helpers import small_config
 from vit_jax import (datasets, input_pipeline, npz_checkpoints, optim,
-                     pretrained, sharding, state_dict_files, torch_checkpoints,
-                     train, variants)
+                     pretrained, sharding, state_dict_files, steps,
+                     torch_checkpoints, train, variants)
 from vit_jax.models import VisionTransformer
 
 
@@ -26,13 +26,13 @@ def _run_steps(config, mesh, num_steps):
   dataset = datasets.load(config)
   model = variants.build_model(config.model, dataset.num_classes)
   schedule = optim.learning_rate_schedule(config, 10, 2)
-  state = train.create_train_state(model, dataset.image_shape,
+  state = steps.create_train_state(model, dataset.image_shape,
                                    optim.make_optimizer(config, schedule),
                                    config.seed, mesh)
   initial = jax.device_get(state.params)
   mean, std = dataset.channel_stats()
-  train_fn = train.compile_train_step(
-      config, mesh, train.shardings_of(state), mean, std, False, schedule)
+  train_fn = steps.compile_train_step(
+      config, mesh, steps.shardings_of(state), mean, std, False, schedule)
   batches = input_pipeline.train_batches(
       dataset.train_images, dataset.train_labels, config.batch_size, 0, 0,
       mesh)

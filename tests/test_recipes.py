@@ -11,7 +11,7 @@ import pytest
 
 from helpers import small_config, small_vit
 from vit_jax import (datasets, input_pipeline, models, optim, sharding,
-                     train, validation, variants)
+                     steps, train, validation, variants)
 
 
 class _DropPath(nn.Module):
@@ -119,12 +119,12 @@ def test_ema_follows_the_formula_and_is_evaluated(tmp_path):
   dataset = datasets.load(config)
   model = variants.build_model(config.model, dataset.num_classes)
   schedule = optim.learning_rate_schedule(config, 6, 4)
-  state = train.create_train_state(model, dataset.image_shape,
+  state = steps.create_train_state(model, dataset.image_shape,
                                    optim.make_optimizer(config, schedule), 0,
                                    mesh, fsdp_min_size=256, ema=True)
   mean, std = dataset.channel_stats()
-  train_fn = train.compile_train_step(
-      config, mesh, train.shardings_of(state), mean, std, True, schedule)
+  train_fn = steps.compile_train_step(
+      config, mesh, steps.shardings_of(state), mean, std, True, schedule)
   stream = input_pipeline.train_batches(dataset.train_images,
                                         dataset.train_labels, 16, 0, 0, mesh)
   expected = jax.device_get(state.params)
@@ -149,9 +149,9 @@ def _sgd_step(model, params, rho):
   rng = np.random.default_rng(0)
   images = jnp.asarray(rng.integers(0, 256, (8, 16, 16, 3)), jnp.uint8)
   labels = jnp.asarray(rng.integers(0, 10, 8), jnp.int32)
-  state = train.TrainState.create(apply_fn=model.apply, params=params,
+  state = steps.TrainState.create(apply_fn=model.apply, params=params,
                                   tx=optax.sgd(0.5), rng=jax.random.PRNGKey(1))
-  step = jax.jit(lambda state: train.train_step(
+  step = jax.jit(lambda state: steps.train_step(
       state, images, labels, preprocess=lambda x, key: x / 255.0,
       label_smoothing=0.0, learning_rate_fn=lambda step: 0.5, sam_rho=rho))
   new_state, metrics = step(state)
@@ -166,7 +166,7 @@ def test_sam_steps_with_the_gradient_at_the_ascended_params():
   inputs, labels, sam_state, sam_metrics = _sgd_step(model, params, rho)
   _, _, plain_state, plain_metrics = _sgd_step(model, params, 0.0)
 
-  def loss(params):  # written out, not train.cross_entropy
+  def loss(params):  # written out, not steps.cross_entropy
     log_probs = jax.nn.log_softmax(model.apply({"params": params}, inputs))
     return -jnp.mean(jnp.take_along_axis(log_probs, labels[:, None], 1))
 

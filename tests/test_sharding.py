@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import small_config
 from vit_jax import (checkpoints, configs, datasets, input_pipeline, optim,
-                     sharding, train, validation, variants)
+                     sharding, steps, validation, variants)
 
 
 def test_mesh_shape_fills_in_minus_one_and_names_bad_sizes():
@@ -98,15 +98,15 @@ def _train(config, mesh, num_steps, state=None):
   dataset = datasets.load(config)
   model = variants.build_model(config.model, dataset.num_classes)
   schedule = optim.learning_rate_schedule(config, 20, 4)
-  fresh = train.create_train_state(model, dataset.image_shape,
+  fresh = steps.create_train_state(model, dataset.image_shape,
                                    optim.make_optimizer(config, schedule),
                                    config.seed, mesh, config.fsdp_min_size)
   start = 0 if state is None else int(state.step)
   state = fresh if state is None else state
   mean, std = dataset.channel_stats()
   flip = config.random_flip is not False
-  train_fn = train.compile_train_step(
-      config, mesh, train.shardings_of(state), mean, std, flip, schedule)
+  train_fn = steps.compile_train_step(
+      config, mesh, steps.shardings_of(state), mean, std, flip, schedule)
   stream = input_pipeline.train_batches(
       dataset.train_images, dataset.train_labels, config.batch_size,
       config.seed, start, mesh)
@@ -235,7 +235,7 @@ def test_vit_l16_initialises_sharded_without_a_full_copy():
   def init(key):
     params = model.init({"params": key}, jnp.zeros((1, 224, 224, 3)),
                         train=False)["params"]
-    return train.TrainState.create(apply_fn=model.apply, params=params,
+    return steps.TrainState.create(apply_fn=model.apply, params=params,
                                    tx=optimizer, rng=key)
 
   key = jax.random.PRNGKey(0)

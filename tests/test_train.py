@@ -11,9 +11,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from helpers import small_config
-from vit_jax import (augment, configs, datasets,
-                     metric_writer, optim, pretrained, sharding, train,
-                     variants)
+from vit_jax import (augment, configs, datasets, metric_writer, optim,
+                     pretrained, sharding, steps, train, variants)
 
 
 def _build(config, mesh, total_steps=20, steps_per_epoch=4):
@@ -21,14 +20,14 @@ def _build(config, mesh, total_steps=20, steps_per_epoch=4):
   model = variants.build_model(config.model, dataset.num_classes)
   schedule = optim.learning_rate_schedule(config, total_steps,
                                           steps_per_epoch)
-  state = train.create_train_state(model, dataset.image_shape,
+  state = steps.create_train_state(model, dataset.image_shape,
                                    optim.make_optimizer(config, schedule),
                                    config.seed, mesh)
   mean, std = dataset.channel_stats()
-  train_fn = train.compile_train_step(
-      config, mesh, train.shardings_of(state), mean, std, True, schedule)
-  eval_fn = train.compile_eval_step(
-      config, mesh, model.apply, train.shardings_of(state.params), mean, std)
+  train_fn = steps.compile_train_step(
+      config, mesh, steps.shardings_of(state), mean, std, True, schedule)
+  eval_fn = steps.compile_eval_step(
+      config, mesh, model.apply, steps.shardings_of(state.params), mean, std)
   return dataset, state, train_fn, eval_fn
 
 
@@ -83,9 +82,11 @@ def test_bfloat16_compute_trains_like_float32_with_float32_state():
       assert leaf.dtype == jnp.float32
   assert not np.array_equal(losses16, losses32)  # bfloat16 really computed
   np.testing.assert_allclose(losses16, losses32, rtol=5e-3)
-  flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
+  flat = lambda tree: np.concatenate(
+      [np.ravel(x) for x in jax.tree.leaves(tree)])
   start = flat(initial)
-  update32, update16 = flat(state32.params) - start, flat(state16.params) - start
+  update32 = flat(state32.params) - start
+  update16 = flat(state16.params) - start
   cosine = update16 @ update32 / np.linalg.norm(update16) / np.linalg.norm(
       update32)
   assert cosine > 0.99, cosine

@@ -148,7 +148,8 @@ class Encoder1DBlock(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
     norm = lambda name: nn.LayerNorm(
-        epsilon=self.layer_norm_epsilon, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        epsilon=self.layer_norm_epsilon, dtype=self.dtype,
+        param_dtype=self.param_dtype, name=name)
     y = norm("LayerNorm_0")(x)
     y = MultiHeadSelfAttention(
         num_heads=self.num_heads,
@@ -539,7 +540,7 @@ class VisionTransformer(nn.Module):
                            name="embedding")(x)
 
   def _check_input(self, images: jax.Array) -> None:
-    """Raises ViTInputError before any computation for inputs that can't work."""
+    """Raises ViTInputError, before any computation, for unusable inputs."""
     if self.classifier not in CLASSIFIERS:
       raise ViTInputError(f"Unknown classifier {self.classifier!r}; choose "
                           f"one of {CLASSIFIERS}.")

@@ -14,7 +14,8 @@ def _pyplot():
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
   except ImportError as e:
-    raise ImportError("Plots need matplotlib: pip install -e '.[tools]'.") from e
+    raise ImportError(
+        "Plots need matplotlib: pip install -e '.[tools]'.") from e
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   return plt
