@@ -2,7 +2,7 @@
 
 The loop: data, model and state, resumption, the time budget, logging,
 evaluation and checkpoints, around the pure, jit-compiled steps of
-`steps.py`. All I/O happens here.
+`steps.py`. Training's I/O happens here, never in the steps.
 """
 
 import os
