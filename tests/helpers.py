@@ -1,6 +1,10 @@
 """Shared helpers of the tests."""
 
-from vit_jax import configs
+import logging
+
+import jax
+
+from vit_jax import configs, train
 from vit_jax.models import VisionTransformer
 
 
@@ -30,3 +34,14 @@ def small_config(**overrides):
   for key, value in overrides.items():
     config[key] = value
   return config
+
+
+def train_counting_compiles(config, workdir, caplog):
+  """train.train_and_evaluate(config, workdir) -> (its metrics, the names of
+  the jitted functions it compiled, in order, e.g. "jit(train_step)")."""
+  caplog.set_level(logging.WARNING, logger="jax")
+  with jax.log_compiles():
+    metrics = train.train_and_evaluate(config, workdir)
+  return metrics, [r.getMessage().split(" with ")[0].removeprefix("Compiling ")
+                   for r in caplog.records
+                   if r.getMessage().startswith("Compiling ")]

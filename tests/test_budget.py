@@ -2,15 +2,13 @@
 
 import itertools
 import json
-import logging
 import os
 
 import chex
-import jax
 import numpy as np
 import pytest
 
-from helpers import small_config
+from helpers import small_config, train_counting_compiles
 from vit_jax import budget, metric_writer, optim, pretrained, train
 
 
@@ -228,14 +226,10 @@ def test_trainer_revises_its_plan_and_warps_its_schedule(tmp_path,
                         eval_every_epochs=6, time_budget_minutes=60.0,
                         checkpoint_every_steps=1000)
   workdir = str(tmp_path)
-  caplog.set_level(logging.WARNING, logger="jax")
-  with jax.log_compiles():
-    metrics = train.train_and_evaluate(config, workdir)
-  compiled = [r.getMessage().split(" with ")[0] for r in caplog.records
-              if r.getMessage().startswith("Compiling ")]
+  metrics, compiled = train_counting_compiles(config, workdir, caplog)
   # The upper bound's schedule, the plan's, the first revision's.
-  assert compiled.count("Compiling jit(train_step)") == 3, compiled
-  assert compiled.count("Compiling jit(eval_step)") == 1, compiled
+  assert compiled.count("jit(train_step)") == 3, compiled
+  assert compiled.count("jit(eval_step)") == 1, compiled
   with open(os.path.join(workdir, budget.PLAN_FILE)) as f:
     plan = json.load(f)
   # 4 steps an epoch, an evaluation every 24 steps: planned (the upper bound

@@ -52,6 +52,8 @@ MEASURED_STEPS = 20
 # plan at each evaluation, so the margin covers the drift of the machine's
 # speed after the last one: a 15% slowdown over the last fifth of the run.
 SAFETY_FRACTION = 0.03
+# Steps of the unmasked tuning timed after its compiling one, for the plan.
+MEASURED_TUNING_STEPS = 5
 
 
 def evaluates_after(done: int, total: int, every_steps: int) -> bool:
@@ -91,11 +93,16 @@ def recent_step_seconds(windows: list[tuple[float, int]]) -> float:
 def predicted_seconds(total: int, *, elapsed_seconds: float, done: int,
                       step_seconds: float, fixed_seconds: float,
                       eval_seconds: float, eval_every_steps: int,
-                      save_seconds: float, save_every_steps: int) -> float:
+                      save_seconds: float, save_every_steps: int,
+                      tuning_steps: int = 0, tuning_seconds: float = 0.0
+                      ) -> float:
   """When a run that is at step `done` after elapsed_seconds ends if trained
   to step `total`: after fixed_seconds (e.g. a recompilation), the steps,
-  and the evaluations and checkpoint saves up to `total`."""
-  return (elapsed_seconds + fixed_seconds + (total - done) * step_seconds
+  and the evaluations and checkpoint saves up to `total`. The last
+  tuning_steps (an unmasked tuning, not begun) take tuning_seconds in all,
+  their compilation included, instead of step_seconds each."""
+  return (elapsed_seconds + fixed_seconds + tuning_seconds
+          + (total - done - tuning_steps) * step_seconds
           + events_between(done, total, eval_every_steps,
                            evaluation_gap(eval_every_steps)) * eval_seconds
           + events_between(done, total, save_every_steps) * save_seconds)
@@ -103,13 +110,13 @@ def predicted_seconds(total: int, *, elapsed_seconds: float, done: int,
 
 def plan_total_steps(*, budget_seconds: float, upper_bound: int,
                      **measured) -> int:
-  """The largest step count N (done < N <= upper_bound) whose
-  predicted_seconds(N, **measured) fits the budget less SAFETY_FRACTION;
-  done + 1 if none does."""
+  """The largest step count N (done + tuning_steps < N <= upper_bound)
+  whose predicted_seconds(N, **measured) fits the budget less
+  SAFETY_FRACTION; done + tuning_steps + 1 if none does."""
   available = budget_seconds * (1.0 - SAFETY_FRACTION)
   fits = lambda total: predicted_seconds(total, **measured) <= available
   # The prediction grows with N, so bisect for the last N that fits.
-  low = measured["done"] + 1
+  low = measured["done"] + measured.get("tuning_steps", 0) + 1
   high = max(upper_bound, low)
   if not fits(low):
     return low
@@ -135,7 +142,9 @@ def revised_total_steps(*, total: int, recompile_seconds: float,
   that fits, paying that recompilation. A shortened run that could train
   only for less time than the recompilation and its final evaluation take
   ends at `done` instead (that evaluation is its last): a few more steps
-  would cost more than they train.
+  would cost more than they train. With an unmasked tuning
+  (measured["tuning_steps"]), the run's end is the tuning's, and "ends at
+  `done`" means the tuning starts there.
   """
   fitting = plan_total_steps(budget_seconds=budget_seconds,
                              upper_bound=upper_bound,
@@ -145,10 +154,11 @@ def revised_total_steps(*, total: int, recompile_seconds: float,
   gain_seconds = (fitting - total) * measured["step_seconds"]
   if not overruns and gain_seconds <= 2 * recompile_seconds:
     return None
-  training_seconds = (fitting - measured["done"]) * measured["step_seconds"]
+  masked_end = measured["done"] + measured.get("tuning_steps", 0)
+  training_seconds = (fitting - masked_end) * measured["step_seconds"]
   if overruns and (training_seconds <
                    recompile_seconds + measured["eval_seconds"]):
-    return measured["done"]
+    return masked_end
   return fitting if fitting != total else None
 
 
@@ -186,13 +196,26 @@ def warped_schedule(schedule: optax.Schedule, first_total_steps: int,
 
 def planned_schedule(config: ml_collections.ConfigDict, plan: dict,
                      steps_per_epoch: int) -> optax.Schedule:
-  """The learning-rate schedule of a run trained to `plan`: the one made for
-  the first plan's step count, warped by the plan's revisions."""
-  first_total_steps = int(plan.get("first_total_steps", plan["total_steps"]))
-  return warped_schedule(
-      optim.learning_rate_schedule(config, first_total_steps,
-                                   steps_per_epoch),
-      first_total_steps, [tuple(r) for r in plan.get("revisions", [])])
+  """The learning-rate schedule of a run trained to `plan`: the decay made
+  for the first plan's step count, warped by the plan's revisions, then the
+  unmasked tuning's, which the revisions move but do not change."""
+  tuning_steps = optim.unmasked_tuning_steps(config, steps_per_epoch)
+  if plan.get("unmasked_tuning_steps", 0) != tuning_steps:
+    raise ValueError(
+        f"The time plan of this run ends with "
+        f"{plan.get('unmasked_tuning_steps', 0)} steps of unmasked tuning, "
+        f"the config with {tuning_steps}: resume with the run's "
+        f"config.unmasked_tuning_epochs, or delete {PLAN_FILE} to plan "
+        "again.")
+  first_decay_steps = int(plan.get("first_total_steps",
+                                   plan["total_steps"])) - tuning_steps
+  revisions = [(at_step, total - tuning_steps)
+               for at_step, total in plan.get("revisions", [])]
+  return optim.with_unmasked_tuning(
+      warped_schedule(
+          optim.decay_schedule(config, first_decay_steps, steps_per_epoch),
+          first_decay_steps, revisions),
+      config, int(plan["total_steps"]), steps_per_epoch)
 
 
 def plan(config: ml_collections.ConfigDict, workdir: str, *, done: int,
@@ -200,7 +223,9 @@ def plan(config: ml_collections.ConfigDict, workdir: str, *, done: int,
          elapsed_seconds: float,
          time_evaluation: Callable[[], tuple[float, float]],
          time_save: Callable[[], float], steps_per_epoch: int,
-         upper_bound: int) -> dict:
+         upper_bound: int,
+         time_unmasked_tuning: Optional[Callable[[], tuple[float, float]]]
+         = None) -> dict:
   """Plans, saves and logs the number of steps that fit the budget; returns
   the plan (its "total_steps" is the number of steps).
 
@@ -211,21 +236,30 @@ def plan(config: ml_collections.ConfigDict, workdir: str, *, done: int,
   eval step takes params, not the optimizer). time_evaluation() -> (eval
   step compilation, one evaluation) and time_save() -> one checkpoint
   save, in seconds, each run once. Every process trains to process 0's
-  plan.
+  plan. With an unmasked tuning (config.unmasked_tuning_epochs), its
+  steps, a fixed number at the end, cost time_unmasked_tuning() -> (their
+  train step's compilation, seconds per step), measured once: the plan
+  fits the masked steps in the time they leave.
   """
   step_seconds = float(np.median(np.diff(step_ends)))
   eval_compile_seconds, eval_seconds = time_evaluation()
   save_seconds = time_save()
+  tuning_steps = optim.unmasked_tuning_steps(config, steps_per_epoch)
+  tuning_compile_seconds, tuning_step_seconds = (
+      time_unmasked_tuning() if tuning_steps else (0.0, 0.0))
+  tuning_seconds = tuning_compile_seconds + tuning_steps * tuning_step_seconds
   planned = plan_total_steps(
       budget_seconds=60 * config.time_budget_minutes,
       elapsed_seconds=(elapsed_seconds + eval_compile_seconds + eval_seconds
-                       + save_seconds),
+                       + save_seconds + tuning_compile_seconds
+                       + MEASURED_TUNING_STEPS * tuning_step_seconds),
       done=done, step_seconds=step_seconds,
       fixed_seconds=first_step_seconds,  # the eval step is not recompiled
       eval_seconds=eval_seconds,
       eval_every_steps=steps_per_epoch * config.eval_every_epochs,
       save_seconds=save_seconds,
       save_every_steps=config.checkpoint_every_steps,
+      tuning_steps=tuning_steps, tuning_seconds=tuning_seconds,
       upper_bound=upper_bound)
   planned = int(multihost_utils.broadcast_one_to_all(np.int32(planned)))
   the_plan = dict(
@@ -234,14 +268,20 @@ def plan(config: ml_collections.ConfigDict, workdir: str, *, done: int,
       step_seconds=round(step_seconds, 5),
       eval_seconds=round(eval_seconds, 3),
       save_seconds=round(save_seconds, 3),
+      unmasked_tuning_steps=tuning_steps,
+      unmasked_tuning_seconds=round(tuning_seconds, 3),
       first_total_steps=planned, revisions=[])
   if jax.process_index() == 0:
     write_plan(workdir, the_plan)
+  tuning = (f", the last {tuning_steps} on every patch "
+            f"({tuning_step_seconds * 1e3:.1f} ms per step, "
+            f"{tuning_compile_seconds:.1f} s to compile)"
+            if tuning_steps else "")
   metric_writer.log(
       f"Time budget of {config.time_budget_minutes:g} minutes: "
       f"{step_seconds * 1e3:.1f} ms per step, {eval_seconds:.1f} s per "
       f"evaluation, {save_seconds:.1f} s per checkpoint; training to step "
-      f"{planned} ({planned / steps_per_epoch:.2f} epochs).")
+      f"{planned} ({planned / steps_per_epoch:.2f} epochs){tuning}.")
   return the_plan
 
 
@@ -252,8 +292,11 @@ def revise(config: ml_collections.ConfigDict, workdir: str, plan: dict, *,
   """Checks `plan` (as `plan` returned it) at step `done`
   (revised_total_steps). If it is revised (to process 0's revision, on
   every process), records the revision in `plan` and its file, logs it and
-  returns True."""
+  returns True. The unmasked tuning's steps, if any, end every revised run
+  as they end the plan; a revision changes the masked steps before them.
+  """
   total = plan["total_steps"]
+  tuning_steps = plan.get("unmasked_tuning_steps", 0)
   revised = -1
   if jax.process_index() == 0:
     revised = revised_total_steps(
@@ -264,6 +307,8 @@ def revise(config: ml_collections.ConfigDict, workdir: str, plan: dict, *,
         eval_every_steps=steps_per_epoch * config.eval_every_epochs,
         save_seconds=plan["save_seconds"],
         save_every_steps=config.checkpoint_every_steps,
+        tuning_steps=tuning_steps,
+        tuning_seconds=plan.get("unmasked_tuning_seconds", 0.0),
         upper_bound=upper_bound)
     revised = -1 if revised is None else revised
   revised = int(multihost_utils.broadcast_one_to_all(np.int32(revised)))
@@ -277,9 +322,11 @@ def revise(config: ml_collections.ConfigDict, workdir: str, plan: dict, *,
               f"step {done}, {step_seconds * 1e3:.1f} ms per step (recent "
               f"windows weighing more) and {eval_seconds:.1f} s per "
               "evaluation since the plan; ")
-  if revised == done:
+  if revised == done + tuning_steps:
+    ending = ("the masked steps here, the unmasked tuning next,"
+              if tuning_steps else "the run here")
     metric_writer.log(
-        measured + f"ending the run here instead of at step {total}: the "
+        measured + f"ending {ending} instead of at step {total}: the "
         "steps that still fit would take less time than the recompilation "
         "and the final evaluation they need.")
   else:

@@ -128,6 +128,12 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   # params moved sam_rho along the normalised gradient (two passes a step);
   # 0 disables, e.g. 0.05.
   config.sam_rho = 0.0
+  # Unmasked tuning (Li et al. 2023, FLIP), for a model trained with
+  # model.patch_dropout_rate > 0: the run's last unmasked_tuning_epochs
+  # train on every patch, as the model is tested, at a learning rate
+  # decaying from unmasked_tuning_learning_rate to 0 (cosine). 0 disables.
+  config.unmasked_tuning_epochs = 0.0
+  config.unmasked_tuning_learning_rate = 1e-4
 
   # Bookkeeping.
   config.log_every_steps = 50

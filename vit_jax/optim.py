@@ -26,8 +26,40 @@ SCHEDULES = ("cosine", "linear")
 def learning_rate_schedule(config: ml_collections.ConfigDict,
                            total_steps: int, steps_per_epoch: int
                            ) -> optax.Schedule:
+  """The schedule of a run of `total_steps`: decay_schedule over all but
+  the last unmasked_tuning_steps, then the unmasked tuning's."""
+  tuning_steps = unmasked_tuning_steps(config, steps_per_epoch)
+  return with_unmasked_tuning(
+      decay_schedule(config, total_steps - tuning_steps, steps_per_epoch),
+      config, total_steps, steps_per_epoch)
+
+
+def unmasked_tuning_steps(config: ml_collections.ConfigDict,
+                          steps_per_epoch: int) -> int:
+  """The steps at the end of a run that train on every patch (0 if
+  config.unmasked_tuning_epochs is 0)."""
+  return int(round(config.unmasked_tuning_epochs * steps_per_epoch))
+
+
+def with_unmasked_tuning(schedule: optax.Schedule,
+                         config: ml_collections.ConfigDict, total_steps: int,
+                         steps_per_epoch: int) -> optax.Schedule:
+  """`schedule` up to the unmasked tuning of a run of `total_steps`, then a
+  cosine decay from config.unmasked_tuning_learning_rate to 0 over it: the
+  main schedule has all but ended, and the tuning starts afresh, small."""
+  tuning_steps = unmasked_tuning_steps(config, steps_per_epoch)
+  if not tuning_steps:
+    return schedule
+  return optax.join_schedules(
+      [schedule, optax.cosine_decay_schedule(
+          config.unmasked_tuning_learning_rate, tuning_steps)],
+      [total_steps - tuning_steps])
+
+
+def decay_schedule(config: ml_collections.ConfigDict, total_steps: int,
+                   steps_per_epoch: int) -> optax.Schedule:
   """Linear warm-up from 0 to `learning_rate`, then cosine (or linear,
-  config.schedule) decay to `end_learning_rate` at the last step."""
+  config.schedule) decay to `end_learning_rate` at step total_steps."""
   warmup_steps = config.warmup_steps
   if warmup_steps is None:
     warmup_steps = int(round(config.warmup_epochs * steps_per_epoch))

@@ -86,7 +86,8 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
                label_smoothing: float, learning_rate_fn: optax.Schedule,
                accum_steps: int = 1, skip_nonfinite: bool = False,
                mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
-               ema_decay: float = 0.0, sam_rho: float = 0.0
+               ema_decay: float = 0.0, ema_start_step: int = 0,
+               sam_rho: float = 0.0
                ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step on a uint8 batch (B, H, W, C) with int labels (B,).
 
@@ -94,7 +95,8 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
   are the smoothed one-hot labels, mixed with the images by Mixup/CutMix
   when an alpha is > 0 (accuracy is still against the original labels).
   With ema_decay > 0, state.ema_params follows the params with decay
-  min(ema_decay, (1 + step) / (10 + step)). With
+  min(ema_decay, (1 + t) / (10 + t)), t = step - ema_start_step (a phase
+  that changes the model, the unmasked tuning, restarts the ramp). With
   accum_steps > 1 the batch is processed as that many micro-batches (a scan:
   one micro-batch's activations live at a time) whose mean gradient makes
   the single update, equal to the whole batch's gradient. With
@@ -160,7 +162,7 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
   }
   new_state = state.apply_gradients(grads=grads)
   if ema_decay:
-    step = state.step.astype(jnp.float32)
+    step = (state.step - ema_start_step).astype(jnp.float32)
     decay = jnp.minimum(ema_decay, (1.0 + step) / (10.0 + step))
     new_state = new_state.replace(ema_params=jax.tree.map(
         lambda average, new: decay * average + (1.0 - decay) * new,
@@ -197,7 +199,8 @@ def eval_step(params: Any, images: jax.Array, labels: jax.Array,
 def compile_train_step(config: ml_collections.ConfigDict,
                        mesh: jax.sharding.Mesh, state_sharding,
                        mean: np.ndarray, std: np.ndarray, flip: bool,
-                       learning_rate_fn: optax.Schedule):
+                       learning_rate_fn: optax.Schedule,
+                       ema_start_step: int = 0):
   """The jitted train step for `config`, with shardings declared.
 
   `state_sharding` is the train state's layout (`shardings_of(state)`); the
@@ -222,7 +225,8 @@ def compile_train_step(config: ml_collections.ConfigDict,
           accum_steps=config.accum_steps,
           skip_nonfinite=config.skip_nonfinite_steps,
           mixup_alpha=config.mixup_alpha, cutmix_alpha=config.cutmix_alpha,
-          ema_decay=config.ema_decay, sam_rho=config.sam_rho),
+          ema_decay=config.ema_decay, ema_start_step=ema_start_step,
+          sam_rho=config.sam_rho),
       in_shardings=(state_sharding, batch, batch),
       out_shardings=(state_sharding, sharding.replicated(mesh)),
       donate_argnums=0)

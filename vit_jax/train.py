@@ -119,6 +119,15 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                    config.fsdp_min_size,
                                    ema=config.ema_decay > 0)
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
+  # The last steps of a run with patch dropout may train on every patch
+  # (config.unmasked_tuning_epochs): the same params, another train step.
+  tuning_steps = optim.unmasked_tuning_steps(config, steps_per_epoch)
+  if tuning_steps >= upper_bound:
+    raise ValueError(
+        f"config.unmasked_tuning_epochs={config.unmasked_tuning_epochs} "
+        f"({tuning_steps} steps) leaves nothing of the run's {upper_bound} "
+        "steps to train with patch dropout; make it shorter.")
+  unmasked_model = model.clone(patch_dropout_rate=0.0)
   dims = config.model  # the name's dims may have been overridden: say them
   num_patches = (height // dims.patch_size) * (width // dims.patch_size)
   rate = dims.patch_dropout_rate
@@ -145,8 +154,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     state = init_from_pretrained(config, state, (height, width))
   writer = metric_writer.MetricWriter(workdir, resume_step=start_step)
 
-  train_fn = steps.compile_train_step(config, mesh, steps.shardings_of(state),
-                                      mean, std, flip, learning_rate_fn)
+  def compile_train_fn(ema_start_step=0):
+    """The train step of `state` as it is: its model and its optimizer."""
+    return steps.compile_train_step(config, mesh, steps.shardings_of(state),
+                                    mean, std, flip, learning_rate_fn,
+                                    ema_start_step)
+
+  train_fn = compile_train_fn()
+  unmasked_tuning = False  # whether train_fn trains on every patch
   eval_fn = steps.compile_eval_step(config, mesh, model.apply,
                                     steps.shardings_of(state.params), mean,
                                     std)
@@ -259,12 +274,31 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       manager.wait_until_finished()
       return time.perf_counter() - tick
 
+    def time_unmasked_tuning():
+      # Compiles the tuning's step and times a few on the last batch, run
+      # on a copy of the state (the step donates its input), then dropped.
+      copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree),
+                     out_shardings=steps.shardings_of(state))(state)
+      copy = copy.replace(apply_fn=unmasked_model.apply)
+      tuning_fn = steps.compile_train_step(
+          config, mesh, steps.shardings_of(copy), mean, std, flip,
+          learning_rate_fn)
+      seconds = []
+      for _ in range(1 + budget.MEASURED_TUNING_STEPS):
+        tick = time.perf_counter()
+        copy, metrics = tuning_fn(copy, *batch)
+        jax.block_until_ready(metrics)
+        seconds.append(time.perf_counter() - tick)
+      del copy
+      return seconds[0], float(np.median(seconds[1:]))
+
     time_plan = budget.plan(
         config, workdir, done=done, step_ends=step_ends,
         first_step_seconds=first_step_seconds,
         elapsed_seconds=time.perf_counter() - start_time,
         time_evaluation=time_evaluation, time_save=time_save,
-        steps_per_epoch=steps_per_epoch, upper_bound=total_steps)
+        steps_per_epoch=steps_per_epoch, upper_bound=total_steps,
+        time_unmasked_tuning=time_unmasked_tuning)
     follow_plan()
 
   def follow_plan():
@@ -277,10 +311,23 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     learning_rate_fn = budget.planned_schedule(config, time_plan,
                                                steps_per_epoch)
     state = state.replace(tx=optim.make_optimizer(config, learning_rate_fn))
-    train_fn = steps.compile_train_step(config, mesh,
-                                        steps.shardings_of(state), mean, std,
-                                        flip, learning_rate_fn)
+    train_fn = compile_train_fn()
     check_mark = None
+
+  def start_unmasked_tuning(step):
+    """Trains on every patch after step `step`: the state's model is the
+    one without patch dropout, and its train step is compiled. The masked
+    steps' metrics are logged apart. The EMA restarts its ramp where the
+    tuning starts, so that it averages the tuned params, not the run."""
+    nonlocal state, train_fn, unmasked_tuning
+    if pending:
+      flush(step)
+    state = state.replace(apply_fn=unmasked_model.apply)
+    train_fn = compile_train_fn(ema_start_step=total_steps - tuning_steps)
+    unmasked_tuning = True
+    log(f"Unmasked tuning: steps {step + 1}-{total_steps} train on all "
+        f"{num_patches} patches, the learning rate decaying from "
+        f"{config.unmasked_tuning_learning_rate:g} to 0.")
 
   def revise_time_budget(done, train_end):
     """Revises total_steps if the plan no longer fits (budget.py), timing
@@ -312,9 +359,21 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   try:
     step = start_step
     while step < total_steps:  # a time budget may change total_steps
-      state, metrics = train_fn(state, *next(batches))
+      tuning_start = None
+      if (tuning_steps and not unmasked_tuning
+          and step >= total_steps - tuning_steps):
+        tuning_start = time.perf_counter()
+        start_unmasked_tuning(step)
+      batch = next(batches)
+      state, metrics = train_fn(state, *batch)
       pending.append(metrics)
       done = step + 1
+      if tuning_start is not None:  # its compilation, out of the throughput
+        jax.block_until_ready(metrics)
+        seconds = time.perf_counter() - tuning_start
+        paused += seconds
+        log(f"Compiled and ran the first step of the unmasked tuning in "
+            f"{seconds:.1f} s.")
       if len(pending) > _MAX_STEPS_IN_FLIGHT:
         # Bound the asynchronous queue: waiting on an older step keeps the
         # device fed while deep queues of sharded programs could deadlock
@@ -326,6 +385,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         log(f"Compiled and ran the first train step in "
             f"{first_step_seconds:.1f} s.")
         timer_start, timer_step = time.perf_counter(), done
+        timer_paused = paused
       if plan_after is not None and done <= plan_after:
         step_ends.append(time.perf_counter())
         if done == plan_after and done < total_steps:
@@ -361,8 +421,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if save_now:
           check_finite(done)  # never save a state whose loss was not checked
           checkpoints.save(manager, state)
-        if (evaluate_now and check_mark is not None and done < total_steps
-            and stop_signal is None):
+        if (evaluate_now and check_mark is not None and stop_signal is None
+            and done < total_steps - tuning_steps):  # not during tuning
           revise_time_budget(done, train_end=pause_start)
         paused += time.perf_counter() - pause_start
       if stop_signal is not None:

@@ -75,6 +75,19 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if config[key] < 0:
       raise ValueError(f"config.{key}={config[key]} must be >= 0 (0 "
                        "disables it).")
+  if config.unmasked_tuning_epochs < 0:
+    raise ValueError(f"config.unmasked_tuning_epochs="
+                     f"{config.unmasked_tuning_epochs} must be >= 0 (0 "
+                     "disables it).")
+  if config.unmasked_tuning_epochs and not config.model.patch_dropout_rate:
+    raise ValueError(
+        f"config.unmasked_tuning_epochs={config.unmasked_tuning_epochs} "
+        "tunes a model trained with patch dropout on every patch, but "
+        "config.model.patch_dropout_rate is 0: set a rate, or set "
+        "unmasked_tuning_epochs=0.")
+  if config.unmasked_tuning_learning_rate <= 0:
+    raise ValueError(f"config.unmasked_tuning_learning_rate="
+                     f"{config.unmasked_tuning_learning_rate} must be > 0.")
   if not 0.0 < config.layer_decay <= 1.0:
     raise ValueError(f"config.layer_decay={config.layer_decay} must be in "
                      "(0, 1]; 1 disables it.")
