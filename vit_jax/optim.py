@@ -1,5 +1,7 @@
 """Learning-rate schedule and optimizer: clip -> AdamW, LAMB or SGD.
 
+The schedule warms up and decays; a run with an unmasked tuning
+(config.unmasked_tuning_epochs) ends with that tuning's own short cosine.
 Weight decay skips biases, norms and embeddings (a mask); layer-wise
 learning-rate decay (config.layer_decay < 1) scales each block's updates by
 layer_decay ** (depth from the top), for fine-tuning; with

@@ -71,14 +71,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              if key.startswith("model.") else config[key])
     if not 0.0 <= value < 1.0:
       raise ValueError(f"config.{key}={value} must be in [0, 1).")
-  for key in ("mixup_alpha", "cutmix_alpha", "sam_rho"):
+  for key in ("mixup_alpha", "cutmix_alpha", "sam_rho",
+              "unmasked_tuning_epochs"):
     if config[key] < 0:
       raise ValueError(f"config.{key}={config[key]} must be >= 0 (0 "
                        "disables it).")
-  if config.unmasked_tuning_epochs < 0:
-    raise ValueError(f"config.unmasked_tuning_epochs="
-                     f"{config.unmasked_tuning_epochs} must be >= 0 (0 "
-                     "disables it).")
   if config.unmasked_tuning_epochs and not config.model.patch_dropout_rate:
     raise ValueError(
         f"config.unmasked_tuning_epochs={config.unmasked_tuning_epochs} "
