@@ -332,7 +332,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   def revise_time_budget(done, train_end):
     """Revises total_steps if the plan no longer fits (budget.py), timing
     the steps from check_mark to `train_end`. A revision may end the run
-    at `done`, just evaluated: then it is saved there, not recompiled."""
+    at `done`, just evaluated: then it is saved there, not recompiled (with
+    an unmasked tuning, the tuning starts there instead)."""
     nonlocal check_mark, total_steps
     mark_time, mark_step, mark_paused = check_mark
     if done - mark_step < budget.MEASURED_STEPS:
