@@ -119,7 +119,10 @@ def shape_trace(model: nn.Module, params, images: jax.Array
   for layer in range(model.num_layers):
     rows.append((f"encoder block {layer}",
                  shape(encoder[f"encoderblock_{layer}"]["__call__"])))
-  rows.append(("final LayerNorm", shape(encoder["encoder_norm"]["__call__"])))
+  # With a class token only it goes on (the paper's y = LN(z_L^0)).
+  rows.append(("final LayerNorm" + " (class token only)" *
+               (model.classifier == "token"),
+               shape(encoder["encoder_norm"]["__call__"])))
   rows.append(("class token" if model.classifier == "token" else
                "mean over tokens", shape(got["pooled"])))
   if "pre_logits" in got:

@@ -16,6 +16,7 @@ checkpoint tree, so released `.npz` files map onto this model one to one:
   head/{kernel,bias}
 """
 
+import functools
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -34,6 +35,20 @@ def num_kept_patches(num_patches: int, patch_dropout_rate: float) -> int:
 
 class ViTInputError(ValueError):
   """An input the model cannot take; the message says what to change."""
+
+
+def per_token(layer, x: jax.Array) -> jax.Array:
+  """layer applied to x (B, T, ...) as one (B*T, ...) matrix of tokens.
+
+  The same values as layer(x) for a token-wise layer (LayerNorm, Dense, MLP).
+  Why: the gradients of its biases and LayerNorm scales are then sums over
+  one axis of B*T rows. Over (B, T), XLA:CPU sums in 32 x 32 windows and
+  pads T (65 tokens to 96), 2-5x slower: a 768-wide bias gradient of
+  vit_tiny_cifar took 9 ms that way and 1.8 ms this way.
+  """
+  batch, num_tokens = x.shape[:2]
+  y = layer(x.reshape(batch * num_tokens, *x.shape[2:]))
+  return y.reshape(batch, num_tokens, *y.shape[1:])
 
 
 class MlpBlock(nn.Module):
@@ -61,6 +76,9 @@ class MlpBlock(nn.Module):
 class MultiHeadSelfAttention(nn.Module):
   """Multi-head dot-product self-attention. (B, T, D) -> (B, T, D).
 
+  With num_query_tokens=n only the first n tokens query (attending to all
+  T): (B, T, D) -> (B, n, D).
+
   Same parameter layout as `flax.linen.MultiHeadDotProductAttention` (and the
   official checkpoints): query/key/value kernels (D, heads, D/heads), out
   kernel (heads, D/heads, D). Softmax runs in float32 whatever `dtype` is, so
@@ -83,7 +101,8 @@ class MultiHeadSelfAttention(nn.Module):
   param_dtype: Dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
+  def __call__(self, x: jax.Array, *, deterministic: bool,
+               num_query_tokens: Optional[int] = None) -> jax.Array:
     hidden_size = x.shape[-1]
     if hidden_size % self.num_heads:
       raise ViTInputError(
@@ -94,9 +113,10 @@ class MultiHeadSelfAttention(nn.Module):
         (self.num_heads, head_dim), dtype=self.dtype,
         param_dtype=self.param_dtype,
         kernel_init=nn.initializers.xavier_uniform(), name=name)
-    query = projection("query")(x)  # (B, T, heads, head_dim)
-    key = projection("key")(x)
-    value = projection("value")(x)
+    queries_from = x if num_query_tokens is None else x[:, :num_query_tokens]
+    query = per_token(projection("query"), queries_from)  # (B, Q, heads, hd)
+    key = per_token(projection("key"), x)  # (B, T, heads, head_dim)
+    value = per_token(projection("value"), x)
 
     temperature = (self.param("temperature",
                               nn.initializers.constant(head_dim ** 0.5), (),
@@ -105,18 +125,17 @@ class MultiHeadSelfAttention(nn.Module):
     query = query / temperature.astype(self.dtype)
     logits = jnp.einsum("bqhd,bkhd->bhqk", query, key).astype(jnp.float32)
     if self.locality:  # a token does not attend to itself
-      num_tokens = logits.shape[-1]
-      logits = jnp.where(jnp.eye(num_tokens, dtype=bool),
+      logits = jnp.where(jnp.eye(*logits.shape[-2:], dtype=bool),
                          jnp.finfo(jnp.float32).min, logits)
     weights = jax.nn.softmax(logits, axis=-1)
     self.sow("intermediates", "attention_weights", weights)
     weights = nn.Dropout(self.attention_dropout_rate)(
         weights, deterministic=deterministic).astype(self.dtype)
     attended = jnp.einsum("bhqk,bkhd->bqhd", weights, value)
-    return nn.DenseGeneral(
+    return per_token(nn.DenseGeneral(
         hidden_size, axis=(-2, -1), dtype=self.dtype,
         param_dtype=self.param_dtype,
-        kernel_init=nn.initializers.xavier_uniform(), name="out")(attended)
+        kernel_init=nn.initializers.xavier_uniform(), name="out"), attended)
 
 
 def drop_path(module: nn.Module, x: jax.Array, rate: float | jax.Array,
@@ -133,7 +152,11 @@ def drop_path(module: nn.Module, x: jax.Array, rate: float | jax.Array,
 
 
 class Encoder1DBlock(nn.Module):
-  """Pre-LN transformer block. (B, T, D) -> (B, T, D)."""
+  """Pre-LN transformer block. (B, T, D) -> (B, T, D).
+
+  With num_query_tokens=n it returns only the first n tokens, (B, n, D),
+  and computes nothing for the others beyond their keys and values.
+  """
   num_heads: int
   mlp_dim: int
   dropout_rate: float = 0.0
@@ -146,26 +169,30 @@ class Encoder1DBlock(nn.Module):
   param_dtype: Dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
+  def __call__(self, x: jax.Array, *, deterministic: bool,
+               num_query_tokens: Optional[int] = None) -> jax.Array:
     norm = lambda name: nn.LayerNorm(
         epsilon=self.layer_norm_epsilon, dtype=self.dtype,
         param_dtype=self.param_dtype, name=name)
-    y = norm("LayerNorm_0")(x)
+    y = per_token(norm("LayerNorm_0"), x)
     y = MultiHeadSelfAttention(
         num_heads=self.num_heads,
         attention_dropout_rate=self.attention_dropout_rate,
         locality=self.locality_attention,
         dtype=self.dtype, param_dtype=self.param_dtype,
-        name="MultiHeadDotProductAttention_1")(y, deterministic=deterministic)
+        name="MultiHeadDotProductAttention_1")(
+            y, deterministic=deterministic, num_query_tokens=num_query_tokens)
+    if num_query_tokens is not None:
+      x = x[:, :num_query_tokens]
     y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
     x = x + drop_path(self, y, self.drop_path_rate, deterministic)
 
-    y = norm("LayerNorm_2")(x)
-    y = MlpBlock(
+    y = per_token(norm("LayerNorm_2"), x)
+    y = per_token(functools.partial(MlpBlock(
         mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
         approximate_gelu=self.approximate_gelu, dtype=self.dtype,
-        param_dtype=self.param_dtype, name="MlpBlock_3")(
-            y, deterministic=deterministic)
+        param_dtype=self.param_dtype, name="MlpBlock_3"),
+        deterministic=deterministic), y)
     return x + drop_path(self, y, self.drop_path_rate, deterministic)
 
 
@@ -186,6 +213,13 @@ class Encoder(nn.Module):
   is wrapped in `jax.checkpoint` (activations recomputed in the backward
   pass). Both fall back to the plain loop at initialisation and when the
   `intermediates` collection is being captured.
+
+  With num_output_tokens=n only the first n tokens leave the encoder,
+  (B, n, D): the last block computes queries, attention output and MLP for
+  those n only (keys and values still from every token), which gives the
+  same values as slicing the full output. When `intermediates` is being
+  captured the last block runs in full, so every layer's attention map and
+  block output is whole, and the output is sliced after it.
   """
   num_layers: int
   num_heads: int
@@ -200,6 +234,7 @@ class Encoder(nn.Module):
   layer_norm_epsilon: float = 1e-6
   scan_blocks: bool = False
   remat_blocks: bool = False
+  num_output_tokens: Optional[int] = None
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -210,15 +245,21 @@ class Encoder(nn.Module):
       x = self._add_learned_posemb(x, patch_indices)
     self.sow("intermediates", "embedded", x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+    capturing = self.is_mutable_collection("intermediates")
     if ((self.scan_blocks or self.remat_blocks) and not self.is_initializing()
-        and not self.is_mutable_collection("intermediates")):
+        and not capturing):
       x = self._run_blocks_functionally(x, deterministic)
     else:
       for layer in range(self.num_layers):
+        last = layer == self.num_layers - 1 and not capturing
         x = self._block(self._drop_path_rate_of(layer),
                         name=f"encoderblock_{layer}")(
-                            x, deterministic=deterministic)
+                            x, deterministic=deterministic,
+                            num_query_tokens=(self.num_output_tokens
+                                              if last else None))
         self.sow("intermediates", "block_outputs", x)
+    if self.num_output_tokens is not None:
+      x = x[:, :self.num_output_tokens]
     return nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype,
                         param_dtype=self.param_dtype, name="encoder_norm")(x)
 
@@ -254,37 +295,42 @@ class Encoder(nn.Module):
     rates = [self._drop_path_rate_of(layer)
              for layer in range(self.num_layers)]
 
-    def apply_block(x, params, rate, key):
+    def apply_block(x, params, rate, key, num_query_tokens=None):
       # parent=None: a free-standing module, not a child of this one.
       block = self._block(rate, parent=None)
       rngs = {"dropout": key} if key is not None else {}
       return block.apply({"params": params}, x, deterministic=deterministic,
-                         rngs=rngs)
+                         num_query_tokens=num_query_tokens, rngs=rngs)
 
     # Rates are a traced per-layer array only when scanned with drop path
     # on; otherwise Python floats, kept static so that a rate of 0.0 lets
     # drop_path skip itself.
     traced_rates = self.scan_blocks and bool(self.drop_path_rate)
     if self.remat_blocks:
-      apply_block = jax.checkpoint(apply_block,
-                                   prevent_cse=not self.scan_blocks,
-                                   static_argnums=() if traced_rates else (2,))
+      apply_block = jax.checkpoint(
+          apply_block, prevent_cse=not self.scan_blocks,
+          static_argnums=(4,) if traced_rates else (2, 4))
     if not self.scan_blocks:
-      for params, rate, key in zip(block_params, rates, keys):
-        x = apply_block(x, params, rate, key)
-      return x
+      for params, rate, key in zip(block_params[:-1], rates, keys):
+        x = apply_block(x, params, rate, key, None)
+      return apply_block(x, block_params[-1], rates[-1], keys[-1],
+                         self.num_output_tokens)
 
     stack = lambda *leaves: jnp.stack(leaves)
-    xs = (jax.tree.map(stack, *block_params),
-          jnp.asarray(rates, jnp.float32) if traced_rates else None,
-          jnp.stack(keys) if stochastic else None)
+    scanned = slice(0, self.num_layers - 1)
+    xs = (jax.tree.map(stack, *block_params[scanned]),
+          jnp.asarray(rates[scanned], jnp.float32) if traced_rates else None,
+          jnp.stack(keys[scanned]) if stochastic else None)
 
     def body(x, layer_inputs):
       params, rate, key = layer_inputs
-      return apply_block(x, params, 0.0 if rate is None else rate, key), None
+      return apply_block(x, params, 0.0 if rate is None else rate, key,
+                         None), None
 
     x, _ = jax.lax.scan(body, x, xs)
-    return x
+    last_rate = jnp.float32(rates[-1]) if traced_rates else rates[-1]
+    return apply_block(x, block_params[-1], last_rate, keys[-1],
+                       self.num_output_tokens)
 
   def _add_learned_posemb(self, x: jax.Array,
                           patch_indices: Optional[jax.Array]) -> jax.Array:
@@ -455,6 +501,9 @@ class VisionTransformer(nn.Module):
         approximate_gelu=self.approximate_gelu,
         layer_norm_epsilon=self.layer_norm_epsilon,
         scan_blocks=self.scan_blocks, remat_blocks=self.remat_blocks,
+        # Only the class token is classified: the last block need not
+        # compute the others (same logits, ~7% fewer FLOPs at 12 layers).
+        num_output_tokens=1 if self.classifier == "token" else None,
         dtype=self.dtype, param_dtype=self.param_dtype, name="Transformer")(
             x, deterministic=not train, patch_indices=patch_indices)
 
