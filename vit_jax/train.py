@@ -154,13 +154,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     state = init_from_pretrained(config, state, (height, width))
   writer = metric_writer.MetricWriter(workdir, resume_step=start_step)
 
-  def compile_train_fn(ema_start_step=0):
-    """The train step of `state` as it is: its model and its optimizer."""
-    return steps.compile_train_step(config, mesh, steps.shardings_of(state),
-                                    mean, std, flip, learning_rate_fn,
-                                    ema_start_step)
+  def compile_train_fn(of_state, ema_start_step=0):
+    """The train step of `of_state` as it is: its layout, model and
+    optimizer."""
+    return steps.compile_train_step(config, mesh,
+                                    steps.shardings_of(of_state), mean, std,
+                                    flip, learning_rate_fn, ema_start_step)
 
-  train_fn = compile_train_fn()
+  train_fn = compile_train_fn(state)
   unmasked_tuning = False  # whether train_fn trains on every patch
   eval_fn = steps.compile_eval_step(config, mesh, model.apply,
                                     steps.shardings_of(state.params), mean,
@@ -280,9 +281,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree),
                      out_shardings=steps.shardings_of(state))(state)
       copy = copy.replace(apply_fn=unmasked_model.apply)
-      tuning_fn = steps.compile_train_step(
-          config, mesh, steps.shardings_of(copy), mean, std, flip,
-          learning_rate_fn)
+      tuning_fn = compile_train_fn(copy)
       seconds = []
       for _ in range(1 + budget.MEASURED_TUNING_STEPS):
         tick = time.perf_counter()
@@ -311,7 +310,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     learning_rate_fn = budget.planned_schedule(config, time_plan,
                                                steps_per_epoch)
     state = state.replace(tx=optim.make_optimizer(config, learning_rate_fn))
-    train_fn = compile_train_fn()
+    train_fn = compile_train_fn(state)
     check_mark = None
 
   def start_unmasked_tuning(step):
@@ -323,7 +322,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if pending:
       flush(step)
     state = state.replace(apply_fn=unmasked_model.apply)
-    train_fn = compile_train_fn(ema_start_step=total_steps - tuning_steps)
+    train_fn = compile_train_fn(state,
+                                ema_start_step=total_steps - tuning_steps)
     unmasked_tuning = True
     log(f"Unmasked tuning: steps {step + 1}-{total_steps} train on all "
         f"{num_patches} patches, the learning rate decaying from "
