@@ -21,8 +21,8 @@ itself; it speeds PyTorch up too, so the comparison is against the faster
 PyTorch), unless --no-huge_pages.
 
 Prints one table (images/s, achieved GFLOP/s from XLA's FLOP count of the
-same model, % of the PyTorch GEMM rate measured in the same run, compile time,
-peak RSS), with --growth the cost growth of vit_jax with image size and
+same model, % of the PyTorch GEMM rate measured in the same run, compile time
+(vit_jax's with its Python trace + lowering share in brackets), peak RSS), with --growth the cost growth of vit_jax with image size and
 depth, and ends with
   summary: train_vs_timm=… infer_vs_timm=… train_gemm_fraction=… compile_s=…
 where *_vs_timm is the worst ratio over the two models of vit_jax to the
@@ -103,11 +103,12 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
     step = jax.jit(functools.partial(
         steps.train_step, preprocess=preprocess, label_smoothing=0.0,
         learning_rate_fn=lambda step: 1e-3), donate_argnums=0)
-    lowered = step.lower(state, images, labels)
+    lowered = step.trace(state, images, labels).lower()
   else:
     step = jax.jit(lambda params, images: model.apply(
         {"params": params}, preprocess(images, None)))
-    lowered = step.lower(state.params, images)
+    lowered = step.trace(state.params, images).lower()
+  trace_s = time.perf_counter() - start  # Python tracing and lowering
   compiled = lowered.compile()
   compile_s = time.perf_counter() - start
   memory = compiled.memory_analysis()
@@ -124,7 +125,8 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
     run = lambda: jax.block_until_ready(compiled(state.params, images))
   seconds = _time_steps(run, num_steps)
   return {"images_per_s": batch / seconds, "flops_per_image": flops / batch,
-          "compile_s": compile_s, "peak_rss_mib": _peak_rss_mib(),
+          "compile_s": compile_s, "trace_s": trace_s,
+          "peak_rss_mib": _peak_rss_mib(),
           "xla_temp_mib": memory.temp_size_in_bytes / 2**20 if memory else 0,
           "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
@@ -290,6 +292,14 @@ def main():
   gemm_rate = gemm["torch"]["2048x2048x2048"]
 
   rate = lambda key: statistics.mean(r["images_per_s"] for r in results[key])
+
+  def compile_cell(key) -> str:
+    """Mean compile seconds; for vit_jax, of them Python's trace + lower."""
+    mean = lambda name: statistics.mean(r[name] for r in results[key])
+    trace = (f" (trace {mean('trace_s'):.1f})"
+             if "trace_s" in results[key][0] else "")
+    return f"{mean('compile_s'):.1f}{trace}"
+
   print(f"\nCommand: python benchmarks/throughput.py"
         f"{'' if args.huge_pages else ' --no-huge_pages'}"
         f"{f' --cpu_devices={args.cpu_devices}' if args.cpu_devices else ''}"
@@ -318,8 +328,7 @@ def main():
       runs = len(results[key])
       print(f"| {model} {mode} | {impl}{'' if runs == 1 else f' ({runs} rounds)'}"
             f" | {rate(key):.1f} | {gflops:.0f} | {100 * gflops / gemm_rate:.0f}"
-            f" | {rate(key) / reference:.2f} | "
-            f"{statistics.mean(r['compile_s'] for r in results[key]):.1f} | "
+            f" | {rate(key) / reference:.2f} | {compile_cell(key)} | "
             f"{max(r['peak_rss_mib'] for r in results[key]):.0f} |")
     ratios[mode].append(rate((model, mode, "vit_jax")) / reference)
     if mode == "train":

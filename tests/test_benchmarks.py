@@ -58,7 +58,8 @@ def test_throughput_worker_measures_the_real_train_step(cpu_devices):
   if cpu_devices:
     assert (f"--xla_force_host_platform_device_count={cpu_devices}"
             in measured["xla_flags"])
-  assert measured["images_per_s"] > 0 and measured["compile_s"] > 0
+  assert measured["images_per_s"] > 0
+  assert 0 < measured["trace_s"] < measured["compile_s"]  # trace, then XLA
   assert measured["peak_rss_mib"] > 0
   assert "--xla_cpu_experimental_ynn_fusion_type=" in measured["xla_flags"]
   # 1 block, width 192, MLP 768, 5 tokens (4 patches + class token); the

@@ -297,11 +297,14 @@ def test_scan_and_remat_keep_params_outputs_and_gradients():
       lambda p: p + 0.05 * jax.random.normal(jax.random.PRNGKey(3), p.shape),
       variables["params"])
   images = jax.random.normal(jax.random.PRNGKey(1), (2, 8, 8, 3))
-  # One jitted (logits, gradient) per mode: each compiles once.
-  outputs_and_grads = lambda model: jax.jit(jax.value_and_grad(
-      lambda p: jnp.sum(jnp.sin(model.apply({"params": p}, images)))))(params)
-  expected = outputs_and_grads(plain)
-  for mode in BLOCK_MODES:
+  # One jitted (logits, gradient) per mode: each compiles once. The
+  # reference runs the blocks as Flax submodules (what capturing
+  # intermediates does), not through block_function as every mode does.
+  outputs_and_grads = lambda model, **kw: jax.jit(jax.value_and_grad(
+      lambda p: jnp.sum(jnp.sin(model.apply({"params": p}, images, **kw)[
+          0 if kw else slice(None)]))))(params)
+  expected = outputs_and_grads(plain, mutable="intermediates")
+  for mode in [{}, *BLOCK_MODES]:
     other = _tiny(num_layers=3, **mode)
     # The parameter tree is the official one in every mode.
     chex.assert_trees_all_equal_shapes_and_dtypes(variables, jax.eval_shape(
@@ -313,6 +316,30 @@ def test_scan_and_remat_keep_params_outputs_and_gradients():
     assert ("scan[" in jaxpr) == mode.get("scan_blocks", False), mode
     assert ("remat" in jaxpr or "checkpoint" in jaxpr) == mode.get(
         "remat_blocks", False), mode
+
+
+@pytest.mark.parametrize("mode", [{}, dict(remat_blocks=True)])
+@pytest.mark.parametrize("drop_path_rate", [0.0, 0.2])
+def test_blocks_share_one_trace(mode, drop_path_rate):
+  """The encoder's blocks are one jitted function of (params, x, rate, key):
+  every block but the class-token-only last one reuses the first block's
+  trace (its jaxpr object), in inference and in a dropout training step."""
+  model = _tiny(num_layers=5, drop_path_rate=drop_path_rate,
+                dropout_rate=0.1, **mode)
+  variables = _init(model, (1, 8, 8, 3))
+  images = jnp.zeros((2, 8, 8, 3))
+
+  def block_jaxprs(train):
+    jaxpr = jax.make_jaxpr(lambda v: model.apply(
+        v, images, train=train,
+        rngs={"dropout": jax.random.PRNGKey(0)}))(variables)
+    return [id(eqn.params["jaxpr"]) for eqn in jaxpr.jaxpr.eqns
+            if "_apply_block" in str(eqn.params.get("name", ""))]
+
+  for train in (False, True):
+    traces = block_jaxprs(train)
+    assert len(traces) == 5, traces  # one call per block
+    assert len(set(traces[:4])) == 1 and traces[4] != traces[0], train
 
 
 @pytest.mark.parametrize("mode", [{}, *BLOCK_MODES])

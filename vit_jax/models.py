@@ -17,7 +17,7 @@ checkpoint tree, so released `.npz` files map onto this model one to one:
 """
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -151,6 +151,43 @@ def drop_path(module: nn.Module, x: jax.Array, rate: float | jax.Array,
   return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
+def _apply_block(block: "Encoder1DBlock", params: Any, x: jax.Array,
+                 rate: Optional[jax.Array], key: Optional[jax.Array],
+                 deterministic: bool,
+                 num_query_tokens: Optional[int]) -> jax.Array:
+  """block (free-standing, parent=None) applied to x (B, T, D) with params;
+  rate, if given, replaces its drop-path rate; key feeds its dropout."""
+  if rate is not None:
+    block = block.clone(drop_path_rate=rate)
+  rngs = {} if key is None else {"dropout": key}
+  return block.apply({"params": params}, x, deterministic=deterministic,
+                     num_query_tokens=num_query_tokens, rngs=rngs)
+
+
+_BLOCK_STATIC_ARGS = (0, 5, 6)  # the block, deterministic, num_query_tokens
+
+
+@functools.cache
+def block_function(remat: bool, scanned: bool) -> Callable[..., jax.Array]:
+  """`_apply_block`, remat'd (`jax.checkpoint`) if asked, and jitted unless
+  it is a scan body.
+
+  Why jit: the blocks of a ViT share their shapes, so jit's trace cache
+  traces (and lowers) one block and reuses it for the others, and for the
+  gradient's blocks. A 12-layer train step traced in 1.0 s instead of
+  1.8-2.2 s. XLA inlines the calls, so the compiled step is the same.
+  Made once per process, so eager calls reuse it too.
+  """
+  function = _apply_block
+  if remat:
+    # Under scan, each iteration's recomputation is already tied to it.
+    function = jax.checkpoint(function, prevent_cse=not scanned,
+                              static_argnums=_BLOCK_STATIC_ARGS)
+  if scanned:  # traced once anyway, as the scan's body
+    return function
+  return jax.jit(function, static_argnums=_BLOCK_STATIC_ARGS)
+
+
 class Encoder1DBlock(nn.Module):
   """Pre-LN transformer block. (B, T, D) -> (B, T, D).
 
@@ -206,13 +243,15 @@ class Encoder(nn.Module):
   embedding is gathered to match. Block i drops its residual branches with
   rate drop_path_rate * i / (num_layers - 1).
 
-  scan_blocks / remat_blocks change how the blocks run, never the parameter
+  The blocks run as one pure function of their parameters
+  (`block_function`), jitted so that one trace serves every block of a
+  shape. scan_blocks / remat_blocks change how they run, never the parameter
   tree (`encoderblock_{i}` as in the official checkpoints): the blocks'
   parameters are stacked on the fly and the blocks run as one
-  `jax.lax.scan` body (traced once, whatever the depth), and/or each block
-  is wrapped in `jax.checkpoint` (activations recomputed in the backward
-  pass). Both fall back to the plain loop at initialisation and when the
-  `intermediates` collection is being captured.
+  `jax.lax.scan` body, and/or each block is wrapped in `jax.checkpoint`
+  (activations recomputed in the backward pass). Initialisation and
+  capturing the `intermediates` collection run the blocks as submodules
+  instead (the same values).
 
   With num_output_tokens=n only the first n tokens leave the encoder,
   (B, n, D): the last block computes queries, attention output and MLP for
@@ -246,8 +285,7 @@ class Encoder(nn.Module):
     self.sow("intermediates", "embedded", x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
     capturing = self.is_mutable_collection("intermediates")
-    if ((self.scan_blocks or self.remat_blocks) and not self.is_initializing()
-        and not capturing):
+    if not self.is_initializing() and not capturing:
       x = self._run_blocks_functionally(x, deterministic)
     else:
       for layer in range(self.num_layers):
@@ -280,7 +318,8 @@ class Encoder(nn.Module):
 
   def _run_blocks_functionally(self, x: jax.Array,
                                deterministic: bool) -> jax.Array:
-    """The blocks as a pure function of (x, block params): scanned, remat'd.
+    """The blocks as a pure function of (block params, x, rate, key), run
+    through `block_function`: one trace for every block of a shape.
 
     Dropout and drop path draw from keys split off this module's "dropout"
     stream: the same distribution as the plain loop, different draws.
@@ -292,45 +331,34 @@ class Encoder(nn.Module):
         self.drop_path_rate)
     keys = (list(jax.random.split(self.make_rng("dropout"), self.num_layers))
             if stochastic else [None] * self.num_layers)
-    rates = [self._drop_path_rate_of(layer)
-             for layer in range(self.num_layers)]
-
-    def apply_block(x, params, rate, key, num_query_tokens=None):
-      # parent=None: a free-standing module, not a child of this one.
-      block = self._block(rate, parent=None)
-      rngs = {"dropout": key} if key is not None else {}
-      return block.apply({"params": params}, x, deterministic=deterministic,
-                         num_query_tokens=num_query_tokens, rngs=rngs)
-
-    # Rates are a traced per-layer array only when scanned with drop path
-    # on; otherwise Python floats, kept static so that a rate of 0.0 lets
+    # Per-layer drop-path rates are arguments (so all blocks share a trace)
+    # only when drop path is on; otherwise the template's static 0.0 lets
     # drop_path skip itself.
-    traced_rates = self.scan_blocks and bool(self.drop_path_rate)
-    if self.remat_blocks:
-      apply_block = jax.checkpoint(
-          apply_block, prevent_cse=not self.scan_blocks,
-          static_argnums=(4,) if traced_rates else (2, 4))
-    if not self.scan_blocks:
-      for params, rate, key in zip(block_params[:-1], rates, keys):
-        x = apply_block(x, params, rate, key, None)
-      return apply_block(x, block_params[-1], rates[-1], keys[-1],
-                         self.num_output_tokens)
+    rates = ([jnp.float32(self._drop_path_rate_of(layer))
+              for layer in range(self.num_layers)]
+             if self.drop_path_rate else [None] * self.num_layers)
+    template = self._block(0.0, parent=None)  # parent=None: free-standing
+    apply_block = block_function(self.remat_blocks, self.scan_blocks)
+    last = self.num_layers - 1
 
-    stack = lambda *leaves: jnp.stack(leaves)
-    scanned = slice(0, self.num_layers - 1)
-    xs = (jax.tree.map(stack, *block_params[scanned]),
-          jnp.asarray(rates[scanned], jnp.float32) if traced_rates else None,
-          jnp.stack(keys[scanned]) if stochastic else None)
+    if self.scan_blocks:
+      stack = lambda *leaves: jnp.stack(leaves)
+      xs = (jax.tree.map(stack, *block_params[:last]),
+            None if rates[0] is None else jnp.stack(rates[:last]),
+            None if keys[0] is None else jnp.stack(keys[:last]))
 
-    def body(x, layer_inputs):
-      params, rate, key = layer_inputs
-      return apply_block(x, params, 0.0 if rate is None else rate, key,
-                         None), None
+      def body(x, layer_inputs):
+        params, rate, key = layer_inputs
+        return apply_block(template, params, x, rate, key, deterministic,
+                           None), None
 
-    x, _ = jax.lax.scan(body, x, xs)
-    last_rate = jnp.float32(rates[-1]) if traced_rates else rates[-1]
-    return apply_block(x, block_params[-1], last_rate, keys[-1],
-                       self.num_output_tokens)
+      x, _ = jax.lax.scan(body, x, xs)
+    else:
+      for layer in range(last):
+        x = apply_block(template, block_params[layer], x, rates[layer],
+                        keys[layer], deterministic, None)
+    return apply_block(template, block_params[last], x, rates[last],
+                       keys[last], deterministic, self.num_output_tokens)
 
   def _add_learned_posemb(self, x: jax.Array,
                           patch_indices: Optional[jax.Array]) -> jax.Array:
