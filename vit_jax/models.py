@@ -174,9 +174,9 @@ def block_function(remat: bool, scanned: bool) -> Callable[..., jax.Array]:
 
   Why jit: the blocks of a ViT share their shapes, so jit's trace cache
   traces (and lowers) one block and reuses it for the others, and for the
-  gradient's blocks. A 12-layer train step traced in 1.0 s instead of
-  1.8-2.2 s. XLA inlines the calls, so the compiled step is the same.
-  Made once per process, so eager calls reuse it too.
+  gradient's blocks: the vit_tiny_cifar train step traces and lowers in
+  ~1.5 s instead of 2-2.7 s. XLA inlines the calls, so the compiled step is
+  the same. Made once per process, so eager calls reuse it too.
   """
   function = _apply_block
   if remat:
