@@ -22,8 +22,9 @@ PyTorch), unless --no-huge_pages.
 
 Prints one table (images/s, achieved GFLOP/s from XLA's FLOP count of the
 same model, % of the PyTorch GEMM rate measured in the same run, compile time
-(vit_jax's with its Python trace + lowering share in brackets), peak RSS), with --growth the cost growth of vit_jax with image size and
-depth, and ends with
+(vit_jax's with its Python trace + lowering share in brackets), peak RSS),
+with --growth the cost growth of vit_jax with image size and depth, and ends
+with
   summary: train_vs_timm=… infer_vs_timm=… train_gemm_fraction=… compile_s=…
 where *_vs_timm is the worst ratio over the two models of vit_jax to the
 fastest PyTorch variant, train_gemm_fraction the worst training GFLOP/s as a

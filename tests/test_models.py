@@ -300,17 +300,17 @@ def test_scan_and_remat_keep_params_outputs_and_gradients():
   # One jitted (logits, gradient) per mode: each compiles once. The
   # reference runs the blocks as Flax submodules (what capturing
   # intermediates does), not through block_function as every mode does.
-  outputs_and_grads = lambda model, **kw: jax.jit(jax.value_and_grad(
-      lambda p: jnp.sum(jnp.sin(model.apply({"params": p}, images, **kw)[
-          0 if kw else slice(None)]))))(params)
-  expected = outputs_and_grads(plain, mutable="intermediates")
+  outputs_and_grads = lambda logits_of: jax.jit(jax.value_and_grad(
+      lambda p: jnp.sum(jnp.sin(logits_of(p)))))(params)
+  expected = outputs_and_grads(lambda p: plain.apply(
+      {"params": p}, images, mutable="intermediates")[0])
   for mode in [{}, *BLOCK_MODES]:
     other = _tiny(num_layers=3, **mode)
     # The parameter tree is the official one in every mode.
     chex.assert_trees_all_equal_shapes_and_dtypes(variables, jax.eval_shape(
         other.init, jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 3))))
-    chex.assert_trees_all_close(outputs_and_grads(other), expected,
-                                atol=1e-5)
+    chex.assert_trees_all_close(outputs_and_grads(
+        lambda p: other.apply({"params": p}, images)), expected, atol=1e-5)
     jaxpr = str(jax.make_jaxpr(
         lambda p: other.apply({"params": p}, images))(params))
     assert ("scan[" in jaxpr) == mode.get("scan_blocks", False), mode
