@@ -143,7 +143,8 @@ def drop_path(module: nn.Module, x: jax.Array, rate: float | jax.Array,
   """Stochastic depth: zeroes the whole residual branch x (B, ...) of each
   example with probability `rate`, scaling the kept ones by 1 / (1 - rate).
   Uses the "dropout" RNG stream."""
-  # rate is a traced scalar when the blocks run under jax.lax.scan.
+  # rate is a traced scalar when drop path is on (block_function takes the
+  # per-layer rates as arguments, so all blocks share one trace).
   if deterministic or (isinstance(rate, (int, float)) and rate == 0.0):
     return x
   keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rate,
