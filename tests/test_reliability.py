@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -24,9 +25,11 @@ FLAGS = ["--config=configs/vit_tiny_fashion_mnist.py",
          "--config.model.num_heads=2", "--config.model.mlp_dim=64"]
 
 
-def _main(workdir, signal_number=None, when="Compiled and ran"):
+def _main(workdir, signal_number=None, when="Compiled and ran",
+          committed_step=None):
   """Runs main.py; with signal_number, sends it on the first output line
-  that starts with `when`."""
+  that starts with `when` (once the checkpoint of `committed_step`, if
+  given, has been committed)."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
   process = subprocess.Popen(
       [sys.executable, "main.py", *FLAGS, f"--workdir={workdir}"], cwd=ROOT,
@@ -35,11 +38,26 @@ def _main(workdir, signal_number=None, when="Compiled and ran"):
   for line in process.stdout:
     lines.append(line)
     if signal_number and line.startswith(when):
+      if committed_step is not None:
+        _wait_for_checkpoint(workdir, committed_step)
       process.send_signal(signal_number)
       signal_number = None
   stderr = process.stderr.read()
   process.wait(timeout=600)
   return process.returncode, "".join(lines), stderr
+
+
+def _wait_for_checkpoint(workdir, step, timeout_s=120.0):
+  """Polls until Orbax has renamed the step's temporary folder to `step`.
+
+  Saves are asynchronous: with a model this small, 50 steps can pass
+  before the previous save is committed.
+  """
+  path = os.path.join(workdir, "checkpoints", str(step))
+  deadline = time.monotonic() + timeout_s
+  while not os.path.isdir(path):
+    assert time.monotonic() < deadline, f"{path} never appeared"
+    time.sleep(0.05)
 
 
 @pytest.mark.parametrize("signal_number", [
@@ -75,17 +93,23 @@ def _comparable(records):
 @pytest.mark.slow
 def test_sigkill_at_several_points_resumes_bit_exactly(tmp_path):
   """Killed before any checkpoint, as the step-100 save starts (usually
-  mid-write), right after a restart's compile, and after step 250: the
-  finished run equals an uninterrupted one in every parameter and every
-  metric written."""
+  mid-write), right after a restart's compile, and after step 250 once the
+  step-200 save is committed: the finished run equals an uninterrupted one
+  in every parameter and every metric written."""
   killed = str(tmp_path / "killed")
-  for when in ("train step     50", "train step    100", "Compiled and ran",
-               "train step    250"):
-    code, stdout, _ = _main(killed, signal.SIGKILL, when)
+  for when, committed_step in (("train step     50", None),
+                               ("train step    100", None),
+                               ("Compiled and ran", None),
+                               ("train step    250", 200)):
+    code, stdout, _ = _main(killed, signal.SIGKILL, when, committed_step)
     assert code == -signal.SIGKILL, stdout[-2000:]
+  # 200, unless the kill came only after the step-300 save was committed.
+  latest = max(int(name) for name in os.listdir(
+      os.path.join(killed, "checkpoints")) if name.isdigit())
+  assert latest >= 200
   code, stdout, stderr = _main(killed)
   assert code == 0, stderr[-2000:]
-  assert "Resumed from the checkpoint of step 200" in stdout
+  assert f"Resumed from the checkpoint of step {latest}" in stdout
   reference = str(tmp_path / "reference")
   assert _main(reference)[0] == 0
   final, _ = pretrained.load_params(killed, 2)
