@@ -31,6 +31,12 @@ def test_drop_path_drops_whole_examples_at_the_rate_and_keeps_the_mean():
   assert np.all(per_example[~zero] == pytest.approx(1 / 0.7))
   assert zero.mean() == pytest.approx(0.3, abs=0.03)
   assert out.mean() == pytest.approx(1.0, abs=0.05)
+  # Given uniform draws, exactly the examples whose draw is below 1 - rate
+  # are kept (the encoder draws them for every block at once).
+  uniform = jax.random.uniform(jax.random.PRNGKey(1), (4000,))
+  out = np.asarray(models.drop_path(None, x, 0.3, False, uniform))
+  kept = np.all(out.reshape(4000, -1) != 0, axis=1)
+  np.testing.assert_array_equal(kept, np.asarray(uniform) < 0.7)
 
 
 def test_drop_path_is_linear_over_depth_and_off_at_eval():

@@ -7,6 +7,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 
@@ -162,6 +163,61 @@ def test_weight_decay_mask_spares_biases_norms_and_embeddings():
   assert mask["embedding"] == {"kernel": True, "bias": False}
   assert mask["Transformer"]["encoderblock_1"][
       "MultiHeadDotProductAttention_1"]["temperature"] is False
+
+
+def _gradient_like_tree():
+  """A params-shaped tree of random values (a kernel, a bias, a scalar)."""
+  rng = np.random.default_rng(0)
+  return {"block": {"kernel": rng.normal(size=(48, 64)).astype(np.float32),
+                    "bias": rng.normal(size=(64,)).astype(np.float32)},
+          "head": {"kernel": rng.normal(size=(64, 10)).astype(np.float32),
+                   "temperature": np.float32(3.0)}}
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_global_norm_and_clipping_match_optax(sharded):
+  tree = _gradient_like_tree()
+  expected = np.sqrt(sum(np.sum(np.square(leaf.astype(np.float64)))
+                         for leaf in jax.tree.leaves(tree)))
+  norm = jax.jit(optim.global_norm, static_argnums=1)(tree, sharded)
+  np.testing.assert_allclose(norm, expected, rtol=1e-6)
+  np.testing.assert_allclose(norm, optax.global_norm(tree), rtol=1e-6)
+  assert float(optim.global_norm({}, sharded)) == 0.0
+  for max_norm in (expected / 3, expected * 2):  # clipped, then kept
+    ours = optim.clip_by_global_norm(max_norm, sharded)
+    theirs = optax.clip_by_global_norm(max_norm)
+    # No state, as optax's: checkpoints restore across the two.
+    assert jax.tree.leaves(ours.init(tree)) == []
+    assert (jax.tree.structure(ours.init(tree)).num_leaves ==
+            jax.tree.structure(theirs.init(tree)).num_leaves == 0)
+    clipped, _ = ours.update(tree, ours.init(tree))
+    reference, _ = theirs.update(tree, theirs.init(tree))
+    chex.assert_trees_all_close(clipped, reference, rtol=1e-6)
+    np.testing.assert_allclose(optim.global_norm(clipped),
+                               min(max_norm, expected), rtol=1e-5)
+
+
+def test_sharded_global_norm_gathers_no_parameter():
+  """Over FSDP-split leaves each device reduces its own shards: no
+  all-gather, and no scratch beyond a leaf's size. The concatenating path
+  would gather (which is why the trainer picks by config.mesh)."""
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 8})
+  tree = jax.tree.map(jnp.asarray, _gradient_like_tree())
+  placed = sharding.put(tree, sharding.state_shardings(mesh, tree, 64))
+  assert not placed["block"]["kernel"].sharding.is_fully_replicated
+
+  def hlo(sharded):
+    return jax.jit(optim.global_norm, static_argnums=1).lower(
+        placed, sharded).compile().as_text()
+
+  assert "all-gather" not in hlo(True)
+  assert "all-gather" in hlo(False)
+  np.testing.assert_allclose(optim.global_norm(placed, True),
+                             optax.global_norm(tree), rtol=1e-6)
+  config = small_config()
+  assert not optim.shards_params(config)
+  config.mesh.fsdp = 8
+  assert optim.shards_params(config)
 
 
 def test_learning_rate_warms_up_then_decays_by_cosine():

@@ -139,30 +139,36 @@ class MultiHeadSelfAttention(nn.Module):
 
 
 def drop_path(module: nn.Module, x: jax.Array, rate: float | jax.Array,
-              deterministic: bool) -> jax.Array:
+              deterministic: bool,
+              uniform: Optional[jax.Array] = None) -> jax.Array:
   """Stochastic depth: zeroes the whole residual branch x (B, ...) of each
   example with probability `rate`, scaling the kept ones by 1 / (1 - rate).
-  Uses the "dropout" RNG stream."""
+  An example is kept where its `uniform` (B,) draw in [0, 1) is below
+  1 - rate; without `uniform`, it is drawn from the "dropout" RNG stream."""
   # rate is a traced scalar when drop path is on (block_function takes the
   # per-layer rates as arguments, so all blocks share one trace).
   if deterministic or (isinstance(rate, (int, float)) and rate == 0.0):
     return x
-  keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rate,
-                              (x.shape[0],) + (1,) * (x.ndim - 1))
+  if uniform is None:
+    uniform = jax.random.uniform(module.make_rng("dropout"), (x.shape[0],))
+  keep = (uniform < 1.0 - rate).reshape((x.shape[0],) + (1,) * (x.ndim - 1))
   return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
 def _apply_block(block: "Encoder1DBlock", params: Any, x: jax.Array,
                  rate: Optional[jax.Array], key: Optional[jax.Array],
-                 deterministic: bool,
-                 num_query_tokens: Optional[int]) -> jax.Array:
+                 deterministic: bool, num_query_tokens: Optional[int],
+                 drop_path_uniforms: Optional[jax.Array] = None
+                 ) -> jax.Array:
   """block (free-standing, parent=None) applied to x (B, T, D) with params;
-  rate, if given, replaces its drop-path rate; key feeds its dropout."""
+  rate, if given, replaces its drop-path rate; key feeds its dropout;
+  drop_path_uniforms (2, B) decide its drop path."""
   if rate is not None:
     block = block.clone(drop_path_rate=rate)
   rngs = {} if key is None else {"dropout": key}
   return block.apply({"params": params}, x, deterministic=deterministic,
-                     num_query_tokens=num_query_tokens, rngs=rngs)
+                     num_query_tokens=num_query_tokens,
+                     drop_path_uniforms=drop_path_uniforms, rngs=rngs)
 
 
 _BLOCK_STATIC_ARGS = (0, 5, 6)  # the block, deterministic, num_query_tokens
@@ -194,6 +200,8 @@ class Encoder1DBlock(nn.Module):
 
   With num_query_tokens=n it returns only the first n tokens, (B, n, D),
   and computes nothing for the others beyond their keys and values.
+  drop_path_uniforms (2, B), if given, are the [0, 1) draws that decide
+  the drop path of the attention and the MLP branch (see `drop_path`).
   """
   num_heads: int
   mlp_dim: int
@@ -208,7 +216,10 @@ class Encoder1DBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, *, deterministic: bool,
-               num_query_tokens: Optional[int] = None) -> jax.Array:
+               num_query_tokens: Optional[int] = None,
+               drop_path_uniforms: Optional[jax.Array] = None) -> jax.Array:
+    uniforms = ((None, None) if drop_path_uniforms is None
+                else tuple(drop_path_uniforms))
     norm = lambda name: nn.LayerNorm(
         epsilon=self.layer_norm_epsilon, dtype=self.dtype,
         param_dtype=self.param_dtype, name=name)
@@ -223,7 +234,8 @@ class Encoder1DBlock(nn.Module):
     if num_query_tokens is not None:
       x = x[:, :num_query_tokens]
     y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
-    x = x + drop_path(self, y, self.drop_path_rate, deterministic)
+    x = x + drop_path(self, y, self.drop_path_rate, deterministic,
+                      uniforms[0])
 
     y = per_token(norm("LayerNorm_2"), x)
     y = per_token(functools.partial(MlpBlock(
@@ -231,7 +243,8 @@ class Encoder1DBlock(nn.Module):
         approximate_gelu=self.approximate_gelu, dtype=self.dtype,
         param_dtype=self.param_dtype, name="MlpBlock_3"),
         deterministic=deterministic), y)
-    return x + drop_path(self, y, self.drop_path_rate, deterministic)
+    return x + drop_path(self, y, self.drop_path_rate, deterministic,
+                         uniforms[1])
 
 
 class Encoder(nn.Module):
@@ -322,22 +335,33 @@ class Encoder(nn.Module):
     """The blocks as a pure function of (block params, x, rate, key), run
     through `block_function`: one trace for every block of a shape.
 
-    Dropout and drop path draw from keys split off this module's "dropout"
-    stream: the same distribution as the plain loop, different draws.
+    Dropout draws from keys split off this module's "dropout" stream, and
+    drop path from one (layers, 2, B) uniform draw made here: the same
+    distribution as the submodule loop, different draws.
     """
     block_params = [self.variables["params"][f"encoderblock_{layer}"]
                     for layer in range(self.num_layers)]
-    stochastic = not deterministic and (
-        self.dropout_rate or self.attention_dropout_rate or
-        self.drop_path_rate)
+    dropout = not deterministic and (self.dropout_rate or
+                                     self.attention_dropout_rate)
     keys = (list(jax.random.split(self.make_rng("dropout"), self.num_layers))
-            if stochastic else [None] * self.num_layers)
+            if dropout else [None] * self.num_layers)
+    # One draw for every block's drop path, not one per residual branch:
+    # fewer RNG loops for XLA to compile.
+    uniforms = (list(jax.random.uniform(
+        self.make_rng("dropout"), (self.num_layers, 2, x.shape[0])))
+                if self.drop_path_rate and not deterministic else
+                [None] * self.num_layers)
     # Per-layer drop-path rates are arguments (so all blocks share a trace)
     # only when drop path is on; otherwise the template's static 0.0 lets
     # drop_path skip itself.
     rates = ([jnp.float32(self._drop_path_rate_of(layer))
               for layer in range(self.num_layers)]
              if self.drop_path_rate else [None] * self.num_layers)
+    # Why the barrier: XLA would fold each layer's rate (a constant) into
+    # that layer's kernels, so no two layers would share a kernel. With it
+    # and the one draw, drop path added 52 distinct XLA:CPU kernels to a
+    # vit_tiny_cifar train step instead of 119, and ~3 s less compile.
+    rates, uniforms = jax.lax.optimization_barrier((rates, uniforms))
     template = self._block(0.0, parent=None)  # parent=None: free-standing
     apply_block = block_function(self.remat_blocks, self.scan_blocks)
     last = self.num_layers - 1
@@ -345,21 +369,22 @@ class Encoder(nn.Module):
     if self.scan_blocks:
       stack = lambda *leaves: jnp.stack(leaves)
       xs = (jax.tree.map(stack, *block_params[:last]),
-            None if rates[0] is None else jnp.stack(rates[:last]),
-            None if keys[0] is None else jnp.stack(keys[:last]))
+            *(None if per_layer[0] is None else jnp.stack(per_layer[:last])
+              for per_layer in (rates, keys, uniforms)))
 
       def body(x, layer_inputs):
-        params, rate, key = layer_inputs
+        params, rate, key, layer_uniforms = layer_inputs
         return apply_block(template, params, x, rate, key, deterministic,
-                           None), None
+                           None, layer_uniforms), None
 
       x, _ = jax.lax.scan(body, x, xs)
     else:
       for layer in range(last):
         x = apply_block(template, block_params[layer], x, rates[layer],
-                        keys[layer], deterministic, None)
+                        keys[layer], deterministic, None, uniforms[layer])
     return apply_block(template, block_params[last], x, rates[last],
-                       keys[last], deterministic, self.num_output_tokens)
+                       keys[last], deterministic, self.num_output_tokens,
+                       uniforms[last])
 
   def _add_learned_posemb(self, x: jax.Array,
                           patch_indices: Optional[jax.Array]) -> jax.Array:

@@ -11,9 +11,13 @@ optimizer state).
 
 import re
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 from flax import traverse_util
+
+from vit_jax import sharding
 
 # Parameters that get no weight decay unless config.decay_all_params: biases,
 # LayerNorm scales and the learned embeddings (class token, positions).
@@ -125,6 +129,49 @@ def trainable_labels(params, trainable: str):
       for path in flat})
 
 
+def global_norm(tree, sharded: bool = False) -> jax.Array:
+  """The L2 norm of all of `tree`'s leaves together, a scalar
+  (`optax.global_norm`'s value, up to float rounding).
+
+  Why one vector: optax reduces each leaf on its own, ~200 reductions for
+  a ViT, and XLA:CPU compiled those ~2.5 s slower in a vit_tiny_cifar
+  train step than this one reduction over the leaves concatenated. With
+  `sharded` (leaves split over devices, FSDP) each leaf is reduced where it
+  lies: concatenating would gather every shard onto every device.
+  """
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return jnp.zeros((), jnp.float32)
+  if sharded:  # in their own shapes: raveling can gather too
+    return jnp.sqrt(sum(jnp.sum(jnp.square(leaf)) for leaf in leaves))
+  flat = jnp.concatenate([jnp.ravel(leaf) for leaf in leaves])
+  return jnp.sqrt(jnp.sum(jnp.square(flat)))
+
+
+def shards_params(config: ml_collections.ConfigDict) -> bool:
+  """Whether config.mesh splits parameters over devices (fsdp > 1)."""
+  sizes = sharding.mesh_shape(config.mesh, jax.device_count())
+  return sizes[sharding.FSDP_AXIS] > 1
+
+
+def clip_by_global_norm(max_norm: float, sharded: bool = False
+                        ) -> optax.GradientTransformation:
+  """`optax.clip_by_global_norm` through `global_norm`: updates scaled by
+  max_norm / norm when their norm exceeds max_norm. No state, as optax's,
+  so checkpoints of either restore into the other."""
+
+  def update(updates, state, params=None):
+    del params
+    norm = global_norm(updates, sharded)
+    keep = norm < max_norm
+    return jax.tree.map(
+        lambda u: jnp.where(keep, u, u / norm.astype(u.dtype) * max_norm),
+        updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(),
+                                      update)
+
+
 def make_optimizer(config: ml_collections.ConfigDict,
                    schedule: optax.Schedule) -> optax.GradientTransformation:
   """Global-norm clipping (if grad_clip_norm > 0), then AdamW or SGD."""
@@ -147,8 +194,9 @@ def make_optimizer(config: ml_collections.ConfigDict,
   if config.layer_decay < 1.0:
     update = optax.chain(update, scale_by_layer(config.layer_decay))
   if config.grad_clip_norm > 0:
-    update = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm),
-                         update)
+    update = optax.chain(
+        clip_by_global_norm(config.grad_clip_norm, shards_params(config)),
+        update)
   if config.trainable != "all":
     update = optax.multi_transform(
         {"train": update, "freeze": optax.set_to_zero()},

@@ -21,7 +21,8 @@ import numpy as np
 import optax
 from flax.training import train_state
 
-from vit_jax import augment, datasets, input_pipeline, mixing, sharding
+from vit_jax import (augment, datasets, input_pipeline, mixing, optim,
+                     sharding)
 
 
 class TrainState(train_state.TrainState):
@@ -87,7 +88,7 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
                accum_steps: int = 1, skip_nonfinite: bool = False,
                mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
                ema_decay: float = 0.0, ema_start_step: int = 0,
-               sam_rho: float = 0.0
+               sam_rho: float = 0.0, sharded_params: bool = False
                ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step on a uint8 batch (B, H, W, C) with int labels (B,).
 
@@ -106,6 +107,8 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
   uses the gradient at params + sam_rho * g / |g|, g the batch's (or
   micro-batch's) gradient, on the same inputs and dropout: two forward and
   backward passes per step. Loss and accuracy are those at the params.
+  sharded_params says the params are split over devices (FSDP), for
+  `optim.global_norm`.
   """
   step_key = jax.random.fold_in(state.rng, state.step)
 
@@ -129,7 +132,7 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
     if sam_rho:
       # The global norm: under jit the gradient is already the whole
       # (micro-)batch's, so every device climbs to the same point.
-      scale = sam_rho / (optax.global_norm(grads) + 1e-12)
+      scale = sam_rho / (optim.global_norm(grads, sharded_params) + 1e-12)
       ascended = jax.tree.map(lambda p, g: p + scale * g, state.params, grads)
       grads, _ = jax.grad(loss_fn, has_aux=True)(ascended)
     return grads, loss, jnp.mean(jnp.argmax(logits, -1) == labels)
@@ -153,7 +156,7 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
     totals, _ = jax.lax.scan(accumulate, zeros, (
         split(images), split(labels), jnp.arange(accum_steps)))
     grads, loss, accuracy = jax.tree.map(lambda x: x / accum_steps, totals)
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optim.global_norm(grads, sharded_params)
   metrics = {
       "loss": loss,
       "accuracy": accuracy,
@@ -226,7 +229,8 @@ def compile_train_step(config: ml_collections.ConfigDict,
           skip_nonfinite=config.skip_nonfinite_steps,
           mixup_alpha=config.mixup_alpha, cutmix_alpha=config.cutmix_alpha,
           ema_decay=config.ema_decay, ema_start_step=ema_start_step,
-          sam_rho=config.sam_rho),
+          sam_rho=config.sam_rho,
+          sharded_params=optim.shards_params(config)),
       in_shardings=(state_sharding, batch, batch),
       out_shardings=(state_sharding, sharding.replicated(mesh)),
       donate_argnums=0)
