@@ -150,7 +150,8 @@ def global_norm(tree, sharded: bool = False) -> jax.Array:
 
 def shards_params(config: ml_collections.ConfigDict) -> bool:
   """Whether config.mesh splits parameters over devices (fsdp > 1)."""
-  sizes = sharding.mesh_shape(config.mesh, jax.device_count())
+  mesh_config = config.get("mesh") or sharding.default_mesh_config()
+  sizes = sharding.mesh_shape(mesh_config, jax.device_count())
   return sizes[sharding.FSDP_AXIS] > 1
 
 
