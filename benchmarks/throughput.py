@@ -1,7 +1,7 @@
 r"""Training and inference speed of vit_jax against timm and torchvision.
 
   pip install -e '.[bench]'
-  python benchmarks/throughput.py            # ~10 minutes on 2 cores
+  python benchmarks/throughput.py            # 9-11 minutes on 2 cores
   python benchmarks/throughput.py --growth   # + cost growth, ~15 minutes
   python benchmarks/throughput.py --cpu_devices=-1  # vit_jax: device per core
 
