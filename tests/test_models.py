@@ -1,5 +1,7 @@
 """The model: shapes, parameter counts and names, values, and input errors."""
 
+import functools
+
 import chex
 import flax
 import jax
@@ -123,6 +125,42 @@ def test_initialisation_follows_paper():
   pos = params["Transformer"]["posembed_input"]["pos_embedding"]
   assert 0.015 < float(jnp.std(pos)) < 0.025  # normal(0.02), 257*64 draws
 
+
+
+def test_blocks_initialised_at_once_draw_like_the_submodule_loop():
+  """The encoder's blocks come from one loop over layers at init
+  (`_init_blocks_at_once`); init while capturing intermediates runs the
+  submodules themselves. Same tree and initialisers, independent layers."""
+  model = _tiny(num_layers=3, hidden_size=64, num_heads=4, mlp_dim=256)
+  images = jnp.zeros((1, 32, 32, 3))
+  at_once = _init(model, images.shape)["params"]["Transformer"]
+  looped = jax.jit(functools.partial(
+      model.init, mutable=["params", "intermediates"]))(
+          jax.random.PRNGKey(0), images)["params"]["Transformer"]
+  chex.assert_trees_all_equal_shapes_and_dtypes(at_once, looped)
+  for layer in range(3):
+    block = f"encoderblock_{layer}"
+    for path, leaf in jax.tree_util.tree_leaves_with_path(at_once[block]):
+      reference = np.asarray(_at(looped[block], path))
+      leaf = np.asarray(leaf)
+      name = jax.tree_util.keystr(path)
+      if reference.std() == 0:  # zeros and ones: equal
+        np.testing.assert_array_equal(leaf, reference, err_msg=name)
+      else:  # random: the same spread (4 standard errors), other draws
+        tolerance = 4 / np.sqrt(2 * leaf.size)
+        assert abs(leaf.std() / reference.std() - 1) < tolerance, name
+        assert not np.allclose(leaf, reference), name
+      if "kernel" in name:  # xavier_uniform: |w| <= sqrt(3) std
+        assert np.abs(leaf).max() <= np.sqrt(3) * reference.std() * 1.05
+  kernels = [np.asarray(at_once[f"encoderblock_{layer}"]["MlpBlock_3"][
+      "Dense_0"]["kernel"]).ravel() for layer in range(3)]
+  assert abs(np.corrcoef(kernels)[np.triu_indices(3, 1)]).max() < 0.05
+
+
+def _at(tree, path):
+  for entry in path:
+    tree = tree[entry.key]
+  return tree
 
 # --------------------------------------------- values vs. a numpy reference
 def _layer_norm(x, p):

@@ -263,9 +263,10 @@ class Encoder(nn.Module):
   tree (`encoderblock_{i}` as in the official checkpoints): the blocks'
   parameters are stacked on the fly and the blocks run as one
   `jax.lax.scan` body, and/or each block is wrapped in `jax.checkpoint`
-  (activations recomputed in the backward pass). Initialisation and
-  capturing the `intermediates` collection run the blocks as submodules
-  instead (the same values).
+  (activations recomputed in the backward pass). Initialisation makes every
+  block's parameters in one loop over the layers (`_init_blocks_at_once`).
+  Capturing the `intermediates` collection runs the blocks as submodules
+  instead (the same values; initialised so, they draw other ones).
 
   With num_output_tokens=n only the first n tokens leave the encoder,
   (B, n, D): the last block computes queries, attention output and MLP for
@@ -299,7 +300,9 @@ class Encoder(nn.Module):
     self.sow("intermediates", "embedded", x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
     capturing = self.is_mutable_collection("intermediates")
-    if not self.is_initializing() and not capturing:
+    if self.is_initializing() and not capturing:
+      self._init_blocks_at_once(x)
+    if not capturing:
       x = self._run_blocks_functionally(x, deterministic)
     else:
       for layer in range(self.num_layers):
@@ -314,6 +317,25 @@ class Encoder(nn.Module):
       x = x[:, :self.num_output_tokens]
     return nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype,
                         param_dtype=self.param_dtype, name="encoder_norm")(x)
+
+  def _init_blocks_at_once(self, x: jax.Array) -> None:
+    """Creates every block's parameters (`encoderblock_{i}`) by mapping one
+    template block's initialisation over the layers' keys; x (B, N, D)
+    gives the shapes.
+
+    Why: initialised block by block, XLA compiles each block's random
+    initialisers anew (~0.7 s a block on 2 cores), as a loop body once.
+    `lax.map`, not vmap: a vmap holds every layer's random bits at once
+    (ViT-L/16 on 8 FSDP devices: 403 MiB scratch a device, against 151).
+    Same initialisers as the submodule loop, other keys.
+    """
+    template = self._block(0.0, parent=None)
+    keys = jax.random.split(self.make_rng("params"), self.num_layers)
+    stacked = jax.lax.map(lambda key: template.init(
+        {"params": key}, x[:1], deterministic=True)["params"], keys)
+    for layer in range(self.num_layers):
+      self.param(f"encoderblock_{layer}",
+                 lambda _, i=layer: jax.tree.map(lambda a: a[i], stacked))
 
   def _drop_path_rate_of(self, layer: int) -> float:
     return self.drop_path_rate * layer / max(self.num_layers - 1, 1)
