@@ -120,3 +120,21 @@ def test_cpu_devices_benchmark_compares_one_device_with_one_per_core():
   assert summary, lines[-1]
   ratio, one, per_core = map(float, summary.groups())
   assert abs(ratio - per_core / one) < 0.01
+
+
+def test_throughput_inference_worker_counts_the_forward_pass():
+  """The inference worker on two devices (params replicated, batch split):
+  XLA's FLOPs per image are the forward's, plus a little elementwise work."""
+  result = subprocess.run(
+      [sys.executable, "benchmarks/throughput.py", "--worker",
+       "--impl=vit_jax", "--mode=infer", "--image_size=8", "--patch_size=4",
+       "--batch=4", "--num_layers=1", "--steps=1", "--cpu_devices=2"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, XLA_FLAGS=""))
+  assert result.returncode == 0, result.stderr[-3000:]
+  measured = json.loads(result.stdout.strip().splitlines()[-1])
+  assert measured["images_per_s"] > 0
+  tokens, width, mlp = 5, 192, 768  # as above: the last block, class token
+  forward = 2 * (2 * tokens * width * width + 2 * width * width
+                 + 2 * width * mlp + 2 * tokens * width)
+  assert forward < measured["flops_per_image"] < 1.1 * forward, measured
