@@ -1,7 +1,7 @@
 r"""Training and inference speed of vit_jax against timm and torchvision.
 
   pip install -e '.[bench]'
-  python benchmarks/throughput.py            # 9-11 minutes on 2 cores
+  python benchmarks/throughput.py            # ~9.5 minutes on 2 cores
   python benchmarks/throughput.py --growth   # + cost growth, ~15 minutes
   python benchmarks/throughput.py --cpu_devices=-1  # vit_jax: device per core
 
@@ -29,9 +29,9 @@ with
 where *_vs_timm is the worst ratio over the two models of vit_jax to the
 fastest PyTorch variant, train_gemm_fraction the worst training GFLOP/s as a
 fraction of the GEMM rate, compile_s the slower train-step compile.
-torch.compile's first run on a machine compiles cold (about a minute per
-workload, ~12 minutes in all); later runs load its cache, kept in
-~/.cache/vit_jax/torchinductor unless TORCHINDUCTOR_CACHE_DIR is set.
+torch.compile's first run on a machine compiles cold (up to a minute per
+workload; first runs took 12-17 minutes here); later runs load its cache,
+kept in ~/.cache/vit_jax/torchinductor unless TORCHINDUCTOR_CACHE_DIR is set.
 """
 
 import argparse
