@@ -76,8 +76,7 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
   import functools
   import jax
   import jax.numpy as jnp
-  import optax
-  from vit_jax import models, sharding, steps
+  from vit_jax import models, optim, sharding, steps
 
   size, patch, train_batch, infer_batch = MODELS.get(model_name, (0, 0, 0, 0))
   size, patch = image_size or size, patch_size or patch
@@ -93,7 +92,7 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
       sharding.batch_sharded(mesh))
   if mode == "train":
     state = steps.create_train_state(model, (size, size, 3),
-                                     optax.adamw(1e-3, weight_decay=0.05), 0,
+                                     optim.adamw(1e-3, weight_decay=0.05), 0,
                                      mesh)
   else:  # no optimizer state to build
     params = jax.jit(lambda key: model.init(key, jnp.zeros(
