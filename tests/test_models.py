@@ -126,7 +126,6 @@ def test_initialisation_follows_paper():
   assert 0.015 < float(jnp.std(pos)) < 0.025  # normal(0.02), 257*64 draws
 
 
-
 def test_blocks_initialised_at_once_draw_like_the_submodule_loop():
   """The encoder's blocks come from one loop over layers at init
   (`_init_blocks_at_once`); init while capturing intermediates runs the
@@ -161,6 +160,7 @@ def _at(tree, path):
   for entry in path:
     tree = tree[entry.key]
   return tree
+
 
 # --------------------------------------------- values vs. a numpy reference
 def _layer_norm(x, p):

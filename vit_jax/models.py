@@ -324,7 +324,8 @@ class Encoder(nn.Module):
     gives the shapes.
 
     Why: initialised block by block, XLA compiles each block's random
-    initialisers anew (~0.7 s a block on 2 cores), as a loop body once.
+    initialisers anew (~0.7 s a block on 2 cores); mapped, once, as the
+    loop's body.
     `lax.map`, not vmap: a vmap holds every layer's random bits at once
     (ViT-L/16 on 8 FSDP devices: 403 MiB scratch a device, against 151).
     Same initialisers as the submodule loop, other keys.

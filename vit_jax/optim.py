@@ -189,8 +189,9 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9,
   (tests/test_train.py compares bit for bit); the state is optax.adamw's,
   so checkpoints restore with either.
 
-  learning_rate: a float or a schedule of the step count; mask: a pytree of
-  bools or a function of the params giving one (True: decayed).
+  learning_rate: a float or a schedule of the step count; weight_decay: a
+  float; mask: a pytree of bools or a function of the params giving one
+  (True: decayed).
   """
   reference = optax.adamw(learning_rate, b1, b2, eps,
                           weight_decay=weight_decay, mask=mask)
