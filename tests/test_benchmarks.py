@@ -39,6 +39,15 @@ def test_fashion_mnist_benchmark_prints_curve_and_summary(tmp_path,
   assert plot.stat().st_size > 10_000
 
 
+def _forward_flops_of_the_tiny_worker() -> int:
+  """Multiply-adds x 2 of the workers' 8 px model below: 1 block, width 192,
+  MLP 768, 5 tokens (4 patches + class token). The block is the last, so
+  keys and values come from every token, the rest is the class token's."""
+  tokens, width, mlp = 5, 192, 768
+  return 2 * (2 * tokens * width * width + 2 * width * width
+              + 2 * width * mlp + 2 * tokens * width)
+
+
 @pytest.mark.parametrize("cpu_devices", [0, 2])
 def test_throughput_worker_measures_the_real_train_step(cpu_devices):
   """One vit_jax worker of benchmarks/throughput.py, on a tiny image: the
@@ -62,12 +71,8 @@ def test_throughput_worker_measures_the_real_train_step(cpu_devices):
   assert 0 < measured["trace_s"] < measured["compile_s"]  # trace, then XLA
   assert measured["peak_rss_mib"] > 0
   assert "--xla_cpu_experimental_ynn_fusion_type=" in measured["xla_flags"]
-  # 1 block, width 192, MLP 768, 5 tokens (4 patches + class token); the
-  # block is the last, so keys and values come from every token, the rest
-  # is the class token's.
   tokens, width, mlp = 5, 192, 768
-  forward = 2 * (2 * tokens * width * width + 2 * width * width
-                 + 2 * width * mlp + 2 * tokens * width)
+  forward = _forward_flops_of_the_tiny_worker()
   # AdamW's update, shared by the batch of 4: a generous 20 FLOPs/parameter.
   params = (4 * (width * width + width) + 2 * width * mlp + mlp + width +
             4 * width +  # the block
@@ -134,7 +139,5 @@ def test_throughput_inference_worker_counts_the_forward_pass():
   assert result.returncode == 0, result.stderr[-3000:]
   measured = json.loads(result.stdout.strip().splitlines()[-1])
   assert measured["images_per_s"] > 0
-  tokens, width, mlp = 5, 192, 768  # as above: the last block, class token
-  forward = 2 * (2 * tokens * width * width + 2 * width * width
-                 + 2 * width * mlp + 2 * tokens * width)
+  forward = _forward_flops_of_the_tiny_worker()
   assert forward < measured["flops_per_image"] < 1.1 * forward, measured
