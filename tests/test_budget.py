@@ -208,6 +208,7 @@ def test_a_revision_to_its_own_step_ends_the_warp():
     budget.warp_knots(1000, [(600, 600), (700, 800)])  # nothing follows
 
 
+@pytest.mark.slow  # ~1 minute: three train-step compiles
 def test_trainer_revises_its_plan_and_warps_its_schedule(tmp_path,
                                                          monkeypatch, capsys,
                                                          caplog):

@@ -54,20 +54,6 @@ def test_main_on_synthetic_data_trains_checkpoints_and_resumes(tmp_path):
   assert "Resumed from the checkpoint of step 12" in again.stdout
 
 
-def test_main_on_real_fashion_mnist_slice(tmp_path, fashion_mnist_dir):
-  result = _run_main(
-      "--config=configs/vit_tiny_fashion_mnist.py",
-      f"--config.raw_data_dir={fashion_mnist_dir}",
-      "--config.max_train_examples=1024", "--config.max_eval_examples=500",
-      "--config.num_train_steps=16", "--config.batch_size=64",
-      "--config.eval_batch_size=250", f"--workdir={tmp_path}",
-      "--config.cpu_devices=2", *SMALL_MODEL, devices=None)
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert f"raw files in {fashion_mnist_dir}" in result.stdout
-  assert "2 device(s)" in result.stdout  # the CPU split as the config asks
-  assert "over 500 images" in result.stdout
-
-
 def test_main_rejects_unknown_config_key(tmp_path):
   result = _run_main("--config=configs/vit_tiny_cifar.py",
                      "--config.batch_sise=64", f"--workdir={tmp_path}")
@@ -138,9 +124,15 @@ def test_main_inspection_modes_on_fashion_mnist(tmp_path, fashion_mnist_dir):
             "--config.max_train_examples=1024",
             "--config.max_eval_examples=500", "--config.eval_batch_size=250",
             f"--workdir={workdir}", *SMALL_MODEL]
+  # Trained on the CPU split in 2 devices, as the config can ask; the modes
+  # below read its checkpoint on one.
   trained = _run_main(*common, "--config.num_train_steps=16",
-                      "--config.batch_size=64", "--config.log_every_steps=4")
+                      "--config.batch_size=64", "--config.log_every_steps=4",
+                      "--config.cpu_devices=2", devices=None)
   assert trained.returncode == 0, trained.stderr[-3000:]
+  assert f"raw files in {fashion_mnist_dir}" in trained.stdout
+  assert "2 device(s)" in trained.stdout
+  assert "over 500 images" in trained.stdout
 
   summary = _run_main(*common, "--mode=summary")
   assert summary.returncode == 0, summary.stderr[-3000:]

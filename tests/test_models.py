@@ -25,34 +25,50 @@ def _init(model, shape, seed=0):
 
 
 # ------------------------------------------------------------------ shapes
-@pytest.mark.parametrize("classifier", ["token", "gap"])
-@pytest.mark.parametrize("image_shape", [(32, 32, 3), (28, 28, 1), (16, 24, 3)])
-def test_output_shape_and_dtype(classifier, image_shape):
+@pytest.mark.parametrize("classifier,image_shape,run", [
+    ("token", (16, 24, 3), True), ("gap", (28, 28, 1), True),
+    ("token", (32, 32, 3), False), ("token", (28, 28, 1), False),
+    ("gap", (32, 32, 3), False), ("gap", (16, 24, 3), False)])
+def test_output_shape_and_dtype(classifier, image_shape, run):
+  """Logits and position embeddings for any image shape; two cases run,
+  the others are traced (`jax.eval_shape`)."""
   model = _tiny(classifier=classifier)
-  variables = _init(model, (1,) + image_shape)
   images = jax.random.normal(jax.random.PRNGKey(1), (3,) + image_shape)
-  logits = jax.jit(model.apply)(variables, images)
+  if run:
+    variables = _init(model, (1,) + image_shape)
+    logits = jax.jit(model.apply)(variables, images)
+    chex.assert_tree_all_finite(logits)
+  else:
+    logits, variables = jax.eval_shape(lambda: model.init_with_output(
+        jax.random.PRNGKey(0), images))
   chex.assert_shape(logits, (3, 5))
   chex.assert_type(logits, jnp.float32)
-  chex.assert_tree_all_finite(logits)
   num_patches = (image_shape[0] // 4) * (image_shape[1] // 4)
   pos = variables["params"]["Transformer"]["posembed_input"]["pos_embedding"]
   chex.assert_shape(pos, (1, num_patches + (classifier == "token"), 32))
   assert ("cls" in variables["params"]) == (classifier == "token")
 
 
-@pytest.mark.parametrize("name,image_size", [("ViT-Ti/16", 224),
-                                             ("ViT-S/32", 96),
-                                             ("ViT-Ti/4", 32),
-                                             ("ViT-Mini/4", 28),
-                                             ("ViT-Mini/7", 28),
-                                             ("ViT-Micro/4", 28)])
-def test_named_variants_run(name, image_size):
+@pytest.mark.parametrize("name,image_size,run", [("ViT-Ti/16", 224, True),
+                                                 ("ViT-S/32", 96, False),
+                                                 ("ViT-Ti/4", 32, False),
+                                                 ("ViT-Mini/4", 28, False),
+                                                 ("ViT-Mini/7", 28, True),
+                                                 ("ViT-Micro/4", 28, False)])
+def test_named_variants_run(name, image_size, run):
+  """Every variant builds and maps images to logits; two of them (a 224 px
+  RGB and a 28 px grey one) run, the others are traced through
+  (`jax.eval_shape`: the same shapes and dtypes, no 4-second compile)."""
   model = variants.build_model(variants.get_variant(name), num_classes=7)
   channels = 1 if image_size == 28 else 3
   shape = (2, image_size, image_size, channels)
-  variables = _init(model, shape)
-  logits = jax.jit(model.apply)(variables, jnp.ones(shape))
+  if run:
+    variables = _init(model, shape)
+    logits = jax.jit(model.apply)(variables, jnp.ones(shape))
+    chex.assert_tree_all_finite(logits)
+  else:
+    logits = jax.eval_shape(lambda: model.apply(
+        model.init(jax.random.PRNGKey(0), jnp.zeros(shape)), jnp.ones(shape)))
   chex.assert_shape(logits, (2, 7))
   chex.assert_type(logits, jnp.float32)
 
@@ -374,29 +390,42 @@ def test_blocks_share_one_trace(mode, drop_path_rate):
     assert len(set(traces[:4])) == 1 and traces[4] != traces[0], train
 
 
-@pytest.mark.parametrize("mode", [{}, *BLOCK_MODES])
-@pytest.mark.parametrize("locality", [False, True])
+# Locality attention (its own mask and temperature for the one query) with
+# the plain loop and with each of the other modes once, not in every pair.
+@pytest.mark.parametrize("mode,locality", [
+    ({}, False), ({}, True), (BLOCK_MODES[0], True), (BLOCK_MODES[1], False),
+    (BLOCK_MODES[2], True)])
 def test_encoder_computes_only_the_output_tokens_in_its_last_block(
     mode, locality):
   """num_output_tokens=1 (what the class-token model uses) gives the first
   token of the full encoder's output, and the same gradients, while the
   last block's queries, attention output and MLP run for that token only."""
-  encoder = lambda **kw: models.Encoder(
+  encoder = lambda block_mode=mode, **kw: models.Encoder(
       num_layers=3, num_heads=4, mlp_dim=64, num_prefix_tokens=1,
-      locality_attention=locality, **mode, **kw)
+      locality_attention=locality, **block_mode, **kw)
   tokens = jax.random.normal(jax.random.PRNGKey(0), (2, 17, 32))
-  params = encoder().init(jax.random.PRNGKey(1), tokens,
-                          deterministic=True)["params"]
-  params = jax.tree.map(  # no zero or constant leaf: every path counts
-      lambda p: p + 0.1 * jax.random.normal(jax.random.PRNGKey(2), p.shape),
-      params)
+
+  @jax.jit  # one compilation, not one per eager random draw
+  def perturbed_params():
+    # The parameters do not depend on the mode: every mode's case reuses
+    # this one init program (from the compilation cache).
+    params = encoder({}).init(jax.random.PRNGKey(1), tokens,
+                              deterministic=True)["params"]
+    return jax.tree.map(  # no zero or constant leaf: every path counts
+        lambda p: p + 0.1 * jax.random.normal(jax.random.PRNGKey(2),
+                                              p.shape), params)
+
+  params = perturbed_params()
 
   def first_token_and_grads(model):
-    run = lambda p, x: model.apply({"params": p}, x, deterministic=True)
-    loss = lambda p, x: jnp.sum(jnp.sin(run(p, x)[:, :1]))
-    value_and_grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    flops = value_and_grads.lower(params, tokens).cost_analysis()["flops"]
-    return run(params, tokens)[:, :1], value_and_grads(params, tokens), flops
+    def loss(p, x):
+      first = model.apply({"params": p}, x, deterministic=True)[:, :1]
+      return jnp.sum(jnp.sin(first)), first
+
+    lowered = jax.jit(jax.value_and_grad(
+        loss, argnums=(0, 1), has_aux=True)).lower(params, tokens)
+    (_, first), grads = lowered.compile()(params, tokens)
+    return first, grads, lowered.cost_analysis()["flops"]
 
   full_out, full_grads, full_flops = first_token_and_grads(encoder())
   out, grads, flops = first_token_and_grads(encoder(num_output_tokens=1))
@@ -448,9 +477,9 @@ def test_patch_dropout_trains_on_a_random_subset_of_the_embedded_patches(
   variables = flax.core.unfreeze(_init(model, (1, 16, 16, 3)))
   variables["params"]["head"]["kernel"] = jnp.ones((32, 5))  # not zero
   images = jax.random.normal(jax.random.PRNGKey(1), (256, 16, 16, 3))
-  embedded = lambda **kw: np.asarray(model.apply(
-      variables, images, mutable="intermediates", **kw)[1]["intermediates"][
-          "Transformer"]["embedded"][0])
+  embedded = lambda **kw: np.asarray(jax.jit(functools.partial(
+      model.apply, mutable="intermediates", **kw))(variables, images)[1][
+          "intermediates"]["Transformer"]["embedded"][0])
   everything = embedded()  # (256, prefix + 16, 32), position embedding added
   kept = embedded(train=True, rngs={"dropout": jax.random.PRNGKey(2)})
   prefix = int(classifier == "token")
@@ -467,9 +496,9 @@ def test_patch_dropout_trains_on_a_random_subset_of_the_embedded_patches(
   frequency = np.bincount(index.ravel(), minlength=16) / 256
   np.testing.assert_allclose(frequency, 0.75, atol=0.1)
   # Evaluation: every token, the output of the same model without dropout.
-  chex.assert_trees_all_close(model.apply(variables, images[:8]),
-                              _tiny(**settings).apply(variables, images[:8]),
-                              atol=1e-6)
+  chex.assert_trees_all_close(
+      jax.jit(model.apply)(variables, images[:8]),
+      jax.jit(_tiny(**settings).apply)(variables, images[:8]), atol=1e-6)
   logits = jax.jit(lambda key: model.apply(
       variables, images[:8], train=True, rngs={"dropout": key}))
   assert not np.allclose(logits(jax.random.PRNGKey(3)),

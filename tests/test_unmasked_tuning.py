@@ -152,6 +152,7 @@ def _restore(workdir, step, template):
   return state
 
 
+@pytest.mark.slow  # ~1 minute: six train-step compiles
 def test_trainer_tunes_its_last_epoch_on_every_patch_and_resumes_in_it(
     tmp_path, capsys):
   """Steps 9-12 of 12 train on all 16 patches: replayed from the step-8
@@ -220,6 +221,7 @@ def test_trainer_tunes_its_last_epoch_on_every_patch_and_resumes_in_it(
                               final.params)
 
 
+@pytest.mark.slow  # ~40 s: a budgeted run and its revisions' compiles
 def test_budgeted_trainer_revised_to_end_its_masked_steps_tunes_next(
     tmp_path, monkeypatch, capsys, caplog):
   """A check at step 48 ends the masked steps: the run tunes steps 49-56
