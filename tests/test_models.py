@@ -25,22 +25,29 @@ def _init(model, shape, seed=0):
 
 
 # ------------------------------------------------------------------ shapes
+def _logits_and_variables(model, images, run: bool):
+  """`model` initialised on one image of `images`' shape, then applied to
+  them: computed (jitted, logits checked finite) if `run`, else only traced
+  (`jax.eval_shape`: the same shapes and dtypes, no compile of seconds)."""
+  if not run:
+    return jax.eval_shape(lambda: model.init_with_output(
+        jax.random.PRNGKey(0), images))
+  variables = _init(model, (1,) + images.shape[1:])
+  logits = jax.jit(model.apply)(variables, images)
+  chex.assert_tree_all_finite(logits)
+  return logits, variables
+
+
 @pytest.mark.parametrize("classifier,image_shape,run", [
     ("token", (16, 24, 3), True), ("gap", (28, 28, 1), True),
     ("token", (32, 32, 3), False), ("token", (28, 28, 1), False),
     ("gap", (32, 32, 3), False), ("gap", (16, 24, 3), False)])
 def test_output_shape_and_dtype(classifier, image_shape, run):
   """Logits and position embeddings for any image shape; two cases run,
-  the others are traced (`jax.eval_shape`)."""
+  the others are traced."""
   model = _tiny(classifier=classifier)
   images = jax.random.normal(jax.random.PRNGKey(1), (3,) + image_shape)
-  if run:
-    variables = _init(model, (1,) + image_shape)
-    logits = jax.jit(model.apply)(variables, images)
-    chex.assert_tree_all_finite(logits)
-  else:
-    logits, variables = jax.eval_shape(lambda: model.init_with_output(
-        jax.random.PRNGKey(0), images))
+  logits, variables = _logits_and_variables(model, images, run)
   chex.assert_shape(logits, (3, 5))
   chex.assert_type(logits, jnp.float32)
   num_patches = (image_shape[0] // 4) * (image_shape[1] // 4)
@@ -57,18 +64,11 @@ def test_output_shape_and_dtype(classifier, image_shape, run):
                                                  ("ViT-Micro/4", 28, False)])
 def test_named_variants_run(name, image_size, run):
   """Every variant builds and maps images to logits; two of them (a 224 px
-  RGB and a 28 px grey one) run, the others are traced through
-  (`jax.eval_shape`: the same shapes and dtypes, no 4-second compile)."""
+  RGB and a 28 px grey one) run, the others are traced."""
   model = variants.build_model(variants.get_variant(name), num_classes=7)
   channels = 1 if image_size == 28 else 3
   shape = (2, image_size, image_size, channels)
-  if run:
-    variables = _init(model, shape)
-    logits = jax.jit(model.apply)(variables, jnp.ones(shape))
-    chex.assert_tree_all_finite(logits)
-  else:
-    logits = jax.eval_shape(lambda: model.apply(
-        model.init(jax.random.PRNGKey(0), jnp.zeros(shape)), jnp.ones(shape)))
+  logits, _ = _logits_and_variables(model, jnp.ones(shape), run)
   chex.assert_shape(logits, (2, 7))
   chex.assert_type(logits, jnp.float32)
 
