@@ -1,9 +1,11 @@
 """Meshes, the FSDP rule, and training that does not depend on the mesh."""
 
 import chex
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -222,6 +224,52 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path):
       assert array.sharding.spec == P()  # fsdp=1: replicated
     _, losses = _train(other, mesh, 2, state=restored)
     np.testing.assert_allclose(losses, next_losses, rtol=1e-5)
+
+
+@flax.struct.dataclass
+class _CheckpointedState:
+  step: jax.Array
+  params: dict
+  rng: jax.Array
+
+
+def test_checkpoints_read_and_are_read_by_orbax_standard_handler(tmp_path):
+  """vit_jax saves without Orbax's replica-parallel slicing on CPU; the
+  checkpoints of its standard handler (earlier vit_jax, other tools)
+  still resume, and its own still read with that handler, on 8 devices."""
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+  replicated = jax.sharding.NamedSharding(mesh, P())
+  split = jax.sharding.NamedSharding(mesh, P("fsdp"))
+  values = _CheckpointedState(
+      step=np.int32(7), rng=np.array([3, 11], np.uint32),
+      params={"bias": np.arange(24, dtype=np.float32).reshape(2, 12),
+              "kernel": np.linspace(-1, 1, 64 * 3, dtype=np.float32
+                                    ).reshape(64, 3)})
+  state = jax.device_put(values, values.replace(
+      step=replicated, rng=replicated,
+      params={"bias": replicated, "kernel": split}))
+  target = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      state)
+  standard = ocp.CheckpointManager(str(tmp_path / "standard" / "checkpoints"))
+  standard.save(7, args=ocp.args.StandardSave(state))
+  standard.wait_until_finished()
+  standard.close()
+  manager = checkpoints.make_manager(str(tmp_path / "standard"), 2)
+  restored, step = checkpoints.restore_latest(manager, state)
+  manager.close()
+  assert step == 7
+  chex.assert_trees_all_equal(jax.device_get(restored), values)
+  assert restored.params["kernel"].sharding.is_equivalent_to(split, 2)
+
+  manager = checkpoints.make_manager(str(tmp_path / "ours"), 2)
+  checkpoints.save(manager, state)
+  checkpoints.finish(manager)
+  reader = ocp.CheckpointManager(str(tmp_path / "ours" / "checkpoints"))
+  chex.assert_trees_all_equal(
+      jax.device_get(reader.restore(7, args=ocp.args.StandardRestore(target))),
+      values)
+  reader.close()
 
 
 @pytest.mark.slow
