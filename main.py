@@ -122,7 +122,9 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   host.enable_compilation_cache()
   try:
-    host.split_cpu_into_devices(_CONFIG.value.cpu_devices)  # before JAX starts
+    host.split_cpu_into_devices(  # before JAX starts
+        _CONFIG.value.cpu_devices,
+        (_CONFIG.value.batch_size, _CONFIG.value.eval_batch_size))
     multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value,
                          _PROCESS_ID.value, auto=_MULTIHOST.value)
     if _MODE.value != "train":

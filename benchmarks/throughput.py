@@ -55,6 +55,12 @@ TORCH_IMPLS = ("timm", "timm+compile", "torchvision", "torchvision+compile")
 NUM_CLASSES = 10
 
 
+def worker_batch(model_name: str, mode: str, batch=None) -> int:
+  """The batch a worker times: `batch` if given, else the model's."""
+  _, _, train_batch, infer_batch = MODELS.get(model_name, (0, 0, 0, 0))
+  return batch or (train_batch if mode == "train" else infer_batch)
+
+
 def _time_steps(run, steps: int) -> float:
   """Median seconds of `steps` calls of run() after one warm-up call."""
   run()
@@ -78,9 +84,9 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
   import jax.numpy as jnp
   from vit_jax import models, optim, sharding, steps
 
-  size, patch, train_batch, infer_batch = MODELS.get(model_name, (0, 0, 0, 0))
+  size, patch, _, _ = MODELS.get(model_name, (0, 0, 0, 0))
   size, patch = image_size or size, patch_size or patch
-  batch = batch or (train_batch if mode == "train" else infer_batch)
+  batch = worker_batch(model_name, mode, batch)
   dims = dict(DIMS, num_layers=num_layers or DIMS["num_layers"])
   model = models.VisionTransformer(num_classes=NUM_CLASSES, patch_size=patch,
                                    **dims)
@@ -139,8 +145,8 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
 def torch_worker(impl: str, model_name: str, mode: str, steps: int) -> dict:
   """timm's or torchvision's ViT with the same dims, eager or compiled."""
   import torch
-  size, patch, train_batch, infer_batch = MODELS[model_name]
-  batch = train_batch if mode == "train" else infer_batch
+  size, patch, _, _ = MODELS[model_name]
+  batch = worker_batch(model_name, mode)
   if impl.startswith("timm"):
     import timm
     model = timm.models.vision_transformer.VisionTransformer(
@@ -248,7 +254,8 @@ def main():
       result = gemm_worker(args.impl[5:])
     elif args.impl == "vit_jax":
       from vit_jax import host  # pylint: disable=g-import-not-at-top
-      host.split_cpu_into_devices(args.cpu_devices)  # before JAX starts
+      host.split_cpu_into_devices(  # before JAX starts
+          args.cpu_devices, (worker_batch(args.model, args.mode, args.batch),))
       result = jax_worker(args.model, args.mode, args.steps, args.image_size,
                           args.patch_size, args.batch, args.num_layers)
     else:

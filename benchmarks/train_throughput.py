@@ -34,7 +34,8 @@ _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds.")
 def main(_):
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
-  host.split_cpu_into_devices(config.cpu_devices)  # before JAX starts
+  host.split_cpu_into_devices(config.cpu_devices,  # before JAX starts
+                             (_BATCH.value,))
   height, width, channels = validation.image_shape_of(config)
   num_classes = (datasets.SPECS[config.dataset].num_classes
                  if config.dataset in datasets.SPECS else

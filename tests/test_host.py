@@ -122,6 +122,15 @@ def test_split_cpu_into_devices_leaves_the_users_choices_alone():
   assert "split_cpu_into_devices before any JAX computation" in stderr
 
 
+def test_a_device_per_core_only_as_far_as_the_batches_split_evenly():
+  assert host.per_core_device_count((128, 256), cores=2) == 2
+  # 6 cores: 128 and 100 split evenly over 4 devices at most.
+  assert host.per_core_device_count((128, 100), cores=6) == 4
+  assert host.per_core_device_count((7,), cores=4) == 1
+  assert host.per_core_device_count((), cores=3) == 3
+  assert host.per_core_device_count() == len(os.sched_getaffinity(0))
+
+
 def test_split_cpu_into_devices_rejects_a_negative_count():
   with pytest.raises(ValueError, match="cpu_devices=-2 must be >= -1"):
     host.split_cpu_into_devices(-2)

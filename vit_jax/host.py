@@ -27,7 +27,7 @@ import logging
 import os
 import platform
 import sys
-from typing import Optional
+from typing import Optional, Sequence
 
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 # Set in the environment to keep the process as it was started.
@@ -95,15 +95,27 @@ def cpu_cores() -> int:
   return os.cpu_count() or 1
 
 
-def split_cpu_into_devices(count: int) -> int:
+def per_core_device_count(batch_sizes: Sequence[int] = (),
+                          cores: Optional[int] = None) -> int:
+  """A device per core (`cores`, default: this process's), or the most
+  devices below that which split every one of `batch_sizes` evenly."""
+  cores = cores or cpu_cores()
+  return max(count for count in range(1, cores + 1)
+             if all(size % count == 0 for size in batch_sizes))
+
+
+def split_cpu_into_devices(count: int, batch_sizes: Sequence[int] = ()
+                           ) -> int:
   """Makes JAX's CPU backend `count` devices of one thread each.
 
   The trainer then splits each batch over them (data parallelism over
   cores) instead of splitting every operation between threads. count=-1
-  takes one device per core this process may run on; 0 and 1 leave the
-  CPU as one multi-threaded device. Takes effect only before JAX's backend
-  starts (it reads XLA_FLAGS once), and never overrides a device count the
-  user put in XLA_FLAGS. GPU and TPU backends ignore it.
+  takes one device per core this process may run on, or fewer if that
+  would not split the `batch_sizes` evenly (`per_core_device_count`); 0
+  and 1 leave the CPU as one multi-threaded device. Takes effect only
+  before JAX's backend starts (it reads XLA_FLAGS once), and never
+  overrides a device count the user put in XLA_FLAGS. GPU and TPU backends
+  ignore it.
 
   Returns the CPU device count JAX will have if this call decided it, else 0.
   """
@@ -111,7 +123,7 @@ def split_cpu_into_devices(count: int) -> int:
     raise ValueError(f"config.cpu_devices={count} must be >= -1 (-1: one "
                      "device per core; 0: one multi-threaded device).")
   if count == -1:
-    count = cpu_cores()
+    count = per_core_device_count(batch_sizes)
   if count <= 1:
     return 0
   current = os.environ.get("XLA_FLAGS", "")

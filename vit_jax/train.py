@@ -60,7 +60,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
   of steps is planned to fit that wall time from this call on (budget.py).
   """
   start_time = time.perf_counter()
-  host.split_cpu_into_devices(config.cpu_devices)  # if JAX has not started
+  host.split_cpu_into_devices(  # if JAX has not started
+      config.cpu_devices, (config.batch_size, config.eval_batch_size))
   validation.validate_config(config)
   with checkpoints.locked_workdir(workdir), \
       preemption.StopSignals() as stop:
