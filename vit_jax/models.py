@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Dtype = Any
 CLASSIFIERS = ("token", "gap")
@@ -51,6 +52,19 @@ def per_token(layer, x: jax.Array) -> jax.Array:
   return y.reshape(batch, num_tokens, *y.shape[1:])
 
 
+def tie_to_gradient(x: jax.Array, output_grad: jax.Array) -> jax.Array:
+  """x + 0 * (one element of output_grad): x's values, but computed only
+  once the backward pass has reached output_grad.
+
+  Why: a recomputation in a custom backward pass is the same expression as
+  the forward pass's original; XLA merges the two (common subexpressions)
+  and keeps the original alive from the forward pass, which is what the
+  recomputation was to avoid. XLA:CPU drops optimization barriers, so only
+  a data dependence keeps them apart.
+  """
+  return x + (output_grad.reshape(-1)[0] * 0).astype(x.dtype)
+
+
 def _gelu_then_dot(x, kernel, dimension_numbers, precision,
                    preferred_element_type, approximate):
   return jax.lax.dot_general(
@@ -74,12 +88,7 @@ def _gelu_dot_forward(x, kernel, dimension_numbers, precision,
 def _gelu_dot_backward(dimension_numbers, precision, preferred_element_type,
                        approximate, residuals, output_grad):
   x, kernel = residuals
-  # Adding 0 * (one element of the output gradient) ties the recomputation
-  # to the backward pass. Without it, XLA merges the recomputed GELU with
-  # the forward one (common subexpressions), and its intermediates stay live
-  # from the forward pass again. XLA:CPU drops optimization barriers, so a
-  # barrier does not do this.
-  x = x + (output_grad.reshape(-1)[0] * 0).astype(x.dtype)
+  x = tie_to_gradient(x, output_grad)
   _, vjp = jax.vjp(functools.partial(
       _gelu_then_dot, dimension_numbers=dimension_numbers,
       precision=precision, preferred_element_type=preferred_element_type,
@@ -240,10 +249,55 @@ def _apply_block(block: "Encoder1DBlock", params: Any, x: jax.Array,
 _BLOCK_STATIC_ARGS = (0, 5, 6)  # the block, deterministic, num_query_tokens
 
 
+def _zero_cotangent(value: jax.Array):
+  if jnp.issubdtype(value.dtype, jnp.inexact):
+    return jnp.zeros_like(value)
+  return np.zeros(value.shape, jax.dtypes.float0)  # integer or key inputs
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=_BLOCK_STATIC_ARGS)
+def _apply_block_rematerialized(block, params, x, rate, key, deterministic,
+                                num_query_tokens, drop_path_uniforms=None):
+  """`_apply_block`, keeping only its inputs for the backward pass, which
+  recomputes the block once the output gradient exists."""
+  return _apply_block(block, params, x, rate, key, deterministic,
+                      num_query_tokens, drop_path_uniforms)
+
+
+def _rematerialized_forward(block, params, x, rate, key, deterministic,
+                            num_query_tokens, drop_path_uniforms=None):
+  return (_apply_block(block, params, x, rate, key, deterministic,
+                       num_query_tokens, drop_path_uniforms),
+          (params, x, rate, key, drop_path_uniforms))
+
+
+def _rematerialized_backward(block, deterministic, num_query_tokens,
+                             inputs, output_grad):
+  params, x, rate, key, drop_path_uniforms = inputs
+  x = tie_to_gradient(x, output_grad)
+  _, vjp = jax.vjp(lambda params, x: _apply_block(
+      block, params, x, rate, key, deterministic, num_query_tokens,
+      drop_path_uniforms), params, x)
+  params_grad, x_grad = vjp(output_grad)
+  # No gradients for the drop-path rate, the dropout key or the draws.
+  zeros = lambda tree: jax.tree.map(_zero_cotangent, tree)
+  return (params_grad, x_grad, zeros(rate), zeros(key),
+          zeros(drop_path_uniforms))
+
+
+_apply_block_rematerialized.defvjp(_rematerialized_forward,
+                                   _rematerialized_backward)
+
+
 @functools.cache
 def block_function(remat: bool, scanned: bool) -> Callable[..., jax.Array]:
-  """`_apply_block`, remat'd (`jax.checkpoint`) if asked, and jitted unless
-  it is a scan body.
+  """`_apply_block`, rematerialized if asked, and jitted unless it is a
+  scan body.
+
+  Remat inside a scan is `jax.checkpoint` (each iteration's recomputation
+  is tied to it); outside, `_apply_block_rematerialized`, whose backward
+  pass ties the recomputation to the output gradient (`tie_to_gradient`):
+  `jax.checkpoint` there saved no memory under XLA:CPU.
 
   Why jit: the blocks of a ViT share their shapes, so jit's trace cache
   traces (and lowers) one block and reuses it for the others, and for the
@@ -252,10 +306,11 @@ def block_function(remat: bool, scanned: bool) -> Callable[..., jax.Array]:
   the same. Made once per process, so eager calls reuse it too.
   """
   function = _apply_block
-  if remat:
-    # Under scan, each iteration's recomputation is already tied to it.
-    function = jax.checkpoint(function, prevent_cse=not scanned,
+  if remat and scanned:
+    function = jax.checkpoint(function, prevent_cse=False,
                               static_argnums=_BLOCK_STATIC_ARGS)
+  elif remat:
+    function = _apply_block_rematerialized
   if scanned:  # traced once anyway, as the scan's body
     return function
   return jax.jit(function, static_argnums=_BLOCK_STATIC_ARGS)
