@@ -53,16 +53,21 @@ def per_token(layer, x: jax.Array) -> jax.Array:
 
 
 def tie_to_gradient(x: jax.Array, output_grad: jax.Array) -> jax.Array:
-  """x + 0 * (one element of output_grad): x's values, but computed only
-  once the backward pass has reached output_grad.
+  """x's values, but computable only once the backward pass has reached
+  output_grad: x + 0 * (output_grad's first element in each row). Both
+  have the same leading (batch or token) axis.
 
   Why: a recomputation in a custom backward pass is the same expression as
   the forward pass's original; XLA merges the two (common subexpressions)
   and keeps the original alive from the forward pass, which is what the
   recomputation was to avoid. XLA:CPU drops optimization barriers, so only
-  a data dependence keeps them apart.
+  a data dependence keeps them apart. One element per row, not one in all:
+  rows stay on the device that holds them when the batch is split.
   """
-  return x + (output_grad.reshape(-1)[0] * 0).astype(x.dtype)
+  rest = output_grad.ndim - 1
+  first = output_grad[(slice(None),) + (slice(0, 1),) * rest]
+  first = first.reshape((x.shape[0],) + (1,) * (x.ndim - 1))
+  return x + (first * 0).astype(x.dtype)
 
 
 def _gelu_then_dot(x, kernel, dimension_numbers, precision,
@@ -630,10 +635,11 @@ class VisionTransformer(nn.Module):
       on GPU/TPU; on XLA:CPU compiling was slower, and scan alone needs
       more memory). Same parameters and outputs.
     remat_blocks: recompute each block's activations in the backward pass
-      instead of storing them (`jax.checkpoint`): about a third more compute
-      for activation memory of one block instead of all (large models).
-      Pair it with scan_blocks: without the scan, XLA:CPU saved no memory
-      (benchmarks/scan_remat.py; with it, ViT-H/14 needs 4.6x less).
+      instead of storing them: about a fifth less speed for the activation
+      memory of one block instead of all (large models; ViT-H/14's train
+      step scratch 4.3x less, benchmarks/scan_remat.py). Alone it is a
+      custom VJP tied to the output gradient; with scan_blocks,
+      `jax.checkpoint` of the scan body.
     dtype: compute dtype (bfloat16 on GPU/TPU); logits are returned float32.
     param_dtype: dtype the parameters are stored in (keep float32).
   """
