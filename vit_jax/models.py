@@ -635,7 +635,7 @@ class VisionTransformer(nn.Module):
       on GPU/TPU; on XLA:CPU compiling was slower, and scan alone needs
       more memory). Same parameters and outputs.
     remat_blocks: recompute each block's activations in the backward pass
-      instead of storing them: about a fifth less speed for the activation
+      instead of storing them: about 15% less speed for the activation
       memory of one block instead of all (large models; ViT-H/14's train
       step scratch 4.3x less, benchmarks/scan_remat.py). Alone it is a
       custom VJP tied to the output gradient; with scan_blocks,
