@@ -46,6 +46,7 @@ def _bytes_per_device(tree) -> int:
 def analyse(name: str, mesh_config: dict, batches_per_device: list[int],
             train_step: bool) -> dict:
   config = configs.base_config(name)
+  config.mesh = mesh_config  # the train step reduces FSDP leaves in place
   model = variants.build_model(config.model, 1000)
   schedule = optim.learning_rate_schedule(config, 10_000, 100)
   optimizer = optim.make_optimizer(config, schedule)
