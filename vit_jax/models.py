@@ -77,11 +77,7 @@ def _gelu_then_dot(x, kernel, dimension_numbers, precision,
       precision=precision, preferred_element_type=preferred_element_type)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _gelu_dot(x, kernel, dimension_numbers, precision, preferred_element_type,
-              approximate):
-  return _gelu_then_dot(x, kernel, dimension_numbers, precision,
-                        preferred_element_type, approximate)
+_gelu_dot = jax.custom_vjp(_gelu_then_dot, nondiff_argnums=(2, 3, 4, 5))
 
 
 def _gelu_dot_forward(x, kernel, dimension_numbers, precision,
