@@ -3,13 +3,16 @@ r"""Training and inference speed of vit_jax against timm and torchvision.
   pip install -e '.[bench]'
   python benchmarks/throughput.py            # ~9.5 minutes on 2 cores
   python benchmarks/throughput.py --growth   # + cost growth, ~15 minutes
-  python benchmarks/throughput.py --cpu_devices=-1  # vit_jax: device per core
+  python benchmarks/throughput.py --cpu_devices=0   # vit_jax on one device
 
 Two models with identical dims in every library, float32 on CPU:
   vit_tiny_cifar   32x32x3, patch 4, width 192, 12 layers, 3 heads, MLP 768
   ViT-Ti/16 @224   224x224x3, patch 16, same width/depth/heads/MLP
 Train step = forward + backward + AdamW update (batch 128 / 32); inference =
-forward (batch 256 / 64). Every measurement runs in a fresh process
+forward (batch 256 / 64). vit_jax runs as configs/vit_tiny_cifar.py runs it
+on a CPU (config.cpu_devices=-1): a device per core, each taking part of the
+batch; PyTorch uses the same cores as intra-op threads.
+Every measurement runs in a fresh process
 (`--worker`), so compile caches, allocator state and threads start alike.
 Round 1 runs every implementation; round 2 runs vit_jax and the fastest
 PyTorch variant of each workload again, in the other order, and those two are
@@ -240,9 +243,10 @@ def main():
   parser.add_argument("--patch_size", type=int)
   parser.add_argument("--batch", type=int)
   parser.add_argument("--num_layers", type=int)
-  parser.add_argument("--cpu_devices", type=int, default=0,
-                      help="vit_jax's config.cpu_devices: -1 runs it on a "
-                      "single-threaded device per core, the batch split")
+  parser.add_argument("--cpu_devices", type=int, default=-1,
+                      help="vit_jax's config.cpu_devices: -1 (as in "
+                      "configs/vit_tiny_cifar.py) runs it on a device per "
+                      "core, the batch split; 0 on one device")
   parser.add_argument("--no-huge_pages", dest="huge_pages",
                       action="store_false")
   parser.add_argument("--growth", action="store_true",
@@ -312,9 +316,11 @@ def main():
              if "trace_s" in results[key][0] else "")
     return f"{mean('compile_s'):.1f}{trace}"
 
+  devices_flag = ("" if args.cpu_devices == -1 else
+                  f" --cpu_devices={args.cpu_devices}")
   print(f"\nCommand: python benchmarks/throughput.py"
         f"{'' if args.huge_pages else ' --no-huge_pages'}"
-        f"{f' --cpu_devices={args.cpu_devices}' if args.cpu_devices else ''}"
+        f"{devices_flag}"
         f"{' --growth' if args.growth else ''}")
   print(f"GEMM fp32 GFLOP/s, best of 2x10 (2048^3 | 8320x192x768; jax with "
         f"vit_jax's flags): torch "
@@ -350,8 +356,9 @@ def main():
                            for r in results[model, mode, "vit_jax"]))
 
   if args.growth:
-    print("\nvit_jax cost growth (train step, batch 2 at each image size / "
-          "batch 32 at each depth; XLA temp = the step's scratch memory):")
+    print("\nvit_jax cost growth (train step on one device, batch 2 at each "
+          "image size / batch 32 at each depth; XLA temp = the step's scratch "
+          "memory):")
     print("| setting | tokens | images/s | GFLOP/image | XLA temp MiB | peak "
           "RSS MiB |")
     print("|---|---|---|---|---|---|")
@@ -360,8 +367,8 @@ def main():
     settings += [(f"32 px, {depth} layers", 32, 32, depth) for depth in (6, 24)]
     for label, size, batch, depth in settings:
       r = spawn(["--impl=vit_jax", "--mode=train", "--steps=1",
-                 f"--image_size={size}", "--patch_size=4", f"--batch={batch}",
-                 f"--num_layers={depth}"], env)
+                 "--cpu_devices=0", f"--image_size={size}", "--patch_size=4",
+                 f"--batch={batch}", f"--num_layers={depth}"], env)
       print(f"| {label} | {(size // 4) ** 2 + 1} | {r['images_per_s']:.1f} | "
             f"{r['flops_per_image'] / 1e9:.2f} | {r['xla_temp_mib']:.0f} | "
             f"{r['peak_rss_mib']:.0f} |")

@@ -30,7 +30,7 @@ measured on CIFAR-10 with this recipe.
 
 On the 2-core CPU of this project's machines one epoch takes about 18
 minutes (390 steps at ~46 images/s; `python benchmarks/train_throughput.py`),
-so train it on a GPU/TPU. On a CPU it runs a single-threaded device per core
+so train it on a GPU/TPU. On a CPU it runs a device per core
 (config.cpu_devices=-1; ignored on GPU/TPU), each taking part of the batch:
 `python benchmarks/cpu_devices.py --config=configs/vit_tiny_cifar.py
 --steps=5` measured 40.7, 41.1 images/s on one device against 46.3, 45.1

@@ -79,9 +79,9 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   # Training results do not depend on the mesh (up to float rounding).
   config.mesh = sharding.default_mesh_config()
   config.fsdp_min_size = 1024
-  # On a CPU: split it into this many devices of one thread each (-1: one
-  # per core) so that the batch, not each operation, is split between the
-  # cores. Pays for small models (README: "Speed on a CPU"); 0 keeps one
+  # On a CPU: split it into this many devices (-1: one per core), each
+  # running its part of the batch, so that independent chains of kernels
+  # keep the cores busy. Pays for small models (README: "Speed on a CPU"); 0 keeps one
   # multi-threaded device. Applied by main.py before JAX starts; an XLA_FLAGS
   # device count of the user's wins.
   config.cpu_devices = 0

@@ -15,10 +15,11 @@ documented in the README ("Speed on a CPU"):
   ~9 GFLOP/s; without YNNPACK fusions ViT-Ti/16 inference at 224 px runs
   1.6x faster (training unchanged). CPU-only flags: GPU/TPU ignore them.
 * The CPU as several devices (`split_cpu_into_devices`, `config.cpu_devices`),
-  one thread each, with the batch split over them: for small models whose
-  matmuls are too small to share between threads well (ViT-Mini/7 on
+  a device per core with the batch split over them: their independent
+  chains of kernels keep the cores busy where one device's small kernels,
+  each split between threads, left them idle (ViT-Mini/7 on
   Fashion-MNIST: a 1.2-1.5x faster train step on 2 cores; vit_tiny_cifar:
-  1.09x, within noise). Opt-in: it changes the devices JAX shows.
+  1.27-1.37x). Opt-in: it changes the devices JAX shows.
 * A persistent XLA compilation cache in the user's cache directory, so a
   rerun or a resume skips the seconds of compiling the train step.
 """
@@ -106,10 +107,12 @@ def per_core_device_count(batch_sizes: Sequence[int] = (),
 
 def split_cpu_into_devices(count: int, batch_sizes: Sequence[int] = ()
                            ) -> int:
-  """Makes JAX's CPU backend `count` devices of one thread each.
+  """Makes JAX's CPU backend `count` devices.
 
   The trainer then splits each batch over them (data parallelism over
-  cores) instead of splitting every operation between threads. count=-1
+  cores). The devices share the host's thread pool (XLA:CPU still splits a
+  large matmul between its threads), so what pays is independent chains of
+  kernels filling the cores, not devices pinned to cores. count=-1
   takes one device per core this process may run on, or fewer if that
   would not split the `batch_sizes` evenly (`per_core_device_count`); 0
   and 1 leave the CPU as one multi-threaded device. Takes effect only
