@@ -6,9 +6,9 @@ r"""One multi-threaded CPU device vs a device per core (config.cpu_devices).
 XLA reads the device count once per process, so each measurement is a fresh
 `benchmarks/train_throughput.py` process (the config's real train step,
 batch 128), alternating `--config.cpu_devices=0` (one device, operations
-split between threads) and `--config.cpu_devices=-1` (one device per core, the
-batch split between them) for --rounds rounds, so
-machine noise hits both alike; with huge pages, as main.py trains (unless
+split between threads) and `--config.cpu_devices=-1` (one device per
+core, the batch split between them) for --rounds rounds, so machine noise
+hits both alike; with huge pages, as main.py trains (unless
 GLIBC_TUNABLES is set). Prints images/s and compile time per process,
 and ends with
 
