@@ -256,13 +256,10 @@ def _zero_cotangent(value: jax.Array):
   return np.zeros(value.shape, jax.dtypes.float0)  # integer or key inputs
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=_BLOCK_STATIC_ARGS)
-def _apply_block_rematerialized(block, params, x, rate, key, deterministic,
-                                num_query_tokens, drop_path_uniforms=None):
-  """`_apply_block`, keeping only its inputs for the backward pass, which
-  recomputes the block once the output gradient exists."""
-  return _apply_block(block, params, x, rate, key, deterministic,
-                      num_query_tokens, drop_path_uniforms)
+# `_apply_block`, keeping only its inputs for the backward pass, which
+# recomputes the block once the output gradient exists.
+_apply_block_rematerialized = jax.custom_vjp(
+    _apply_block, nondiff_argnums=_BLOCK_STATIC_ARGS)
 
 
 def _rematerialized_forward(block, params, x, rate, key, deterministic,
