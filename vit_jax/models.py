@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vit_jax import attention
+
 Dtype = Any
 CLASSIFIERS = ("token", "gap")
 POSITION_EMBEDDINGS = ("learn", "sincos2d")
@@ -161,7 +163,9 @@ class MultiHeadSelfAttention(nn.Module):
   bfloat16 compute stays stable. The attention probabilities
   (B, heads, T, T) are sown into the `intermediates` collection as
   `attention_weights` when that collection is mutable, and cost nothing
-  otherwise.
+  otherwise. `implementation` picks the kernel of the attention core (see
+  `vit_jax.attention`: "auto" is cuDNN's flash attention on a recent CUDA
+  GPU in bfloat16/float16, the einsums below elsewhere).
 
   With `locality=True` it is the Locality Self-Attention of Lee et al. 2021
   ("Vision Transformer for Small-Size Datasets"): the logits are divided by
@@ -173,6 +177,7 @@ class MultiHeadSelfAttention(nn.Module):
   num_heads: int
   attention_dropout_rate: float = 0.0
   locality: bool = False
+  implementation: str = "auto"
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -193,6 +198,19 @@ class MultiHeadSelfAttention(nn.Module):
     query = per_token(projection("query"), queries_from)  # (B, Q, heads, hd)
     key = per_token(projection("key"), x)  # (B, T, heads, head_dim)
     value = per_token(projection("value"), x)
+    output = nn.DenseGeneral(
+        hidden_size, axis=(-2, -1), dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        kernel_init=nn.initializers.xavier_uniform(), name="out")
+
+    fused = attention.fused_implementation(
+        self.implementation, self.dtype, head_dim,
+        capturing=self.is_mutable_collection("intermediates"),
+        dropout=bool(self.attention_dropout_rate) and not deterministic,
+        locality=self.locality)
+    if fused is not None:
+      return per_token(output, jax.nn.dot_product_attention(
+          query, key, value, scale=head_dim ** -0.5, implementation=fused))
 
     temperature = (self.param("temperature",
                               nn.initializers.constant(head_dim ** 0.5), (),
@@ -208,10 +226,7 @@ class MultiHeadSelfAttention(nn.Module):
     weights = nn.Dropout(self.attention_dropout_rate)(
         weights, deterministic=deterministic).astype(self.dtype)
     attended = jnp.einsum("bhqk,bkhd->bqhd", weights, value)
-    return per_token(nn.DenseGeneral(
-        hidden_size, axis=(-2, -1), dtype=self.dtype,
-        param_dtype=self.param_dtype,
-        kernel_init=nn.initializers.xavier_uniform(), name="out"), attended)
+    return per_token(output, attended)
 
 
 def drop_path(module: nn.Module, x: jax.Array, rate: float | jax.Array,
@@ -328,6 +343,7 @@ class Encoder1DBlock(nn.Module):
   attention_dropout_rate: float = 0.0
   drop_path_rate: float | jax.Array = 0.0
   locality_attention: bool = False
+  attention_implementation: str = "auto"
   approximate_gelu: bool = True
   layer_norm_epsilon: float = 1e-6
   dtype: Dtype = jnp.float32
@@ -347,6 +363,7 @@ class Encoder1DBlock(nn.Module):
         num_heads=self.num_heads,
         attention_dropout_rate=self.attention_dropout_rate,
         locality=self.locality_attention,
+        implementation=self.attention_implementation,
         dtype=self.dtype, param_dtype=self.param_dtype,
         name="MultiHeadDotProductAttention_1")(
             y, deterministic=deterministic, num_query_tokens=num_query_tokens)
@@ -403,6 +420,7 @@ class Encoder(nn.Module):
   num_prefix_tokens: int = 0
   learned_posemb: bool = True
   locality_attention: bool = False
+  attention_implementation: str = "auto"
   approximate_gelu: bool = True
   layer_norm_epsilon: float = 1e-6
   scan_blocks: bool = False
@@ -468,6 +486,7 @@ class Encoder(nn.Module):
         attention_dropout_rate=self.attention_dropout_rate,
         drop_path_rate=drop_path_rate,
         locality_attention=self.locality_attention,
+        attention_implementation=self.attention_implementation,
         approximate_gelu=self.approximate_gelu,
         layer_norm_epsilon=self.layer_norm_epsilon, dtype=self.dtype,
         param_dtype=self.param_dtype, **module_kwargs)
@@ -617,6 +636,13 @@ class VisionTransformer(nn.Module):
       The embedding kernel is (P, P, 5 * C, D).
     locality_attention: Locality Self-Attention (same paper): a learned
       softmax temperature per block and no attention of a token to itself.
+    attention_implementation: the attention core's kernel, one of
+      `attention.IMPLEMENTATIONS`: "auto" (default) runs cuDNN's fused
+      flash attention on a CUDA GPU of compute capability >= 8.0 computing
+      in bfloat16/float16 (no (B, heads, T, T) probabilities in memory),
+      the model's einsums elsewhere (on XLA:CPU as fast as
+      `jax.nn.dot_product_attention`); "einsum", "xla" or "cudnn" force one.
+      Capturing attention maps always uses the einsums.
     representation_size: if set, a Dense + tanh "pre-logits" layer of this
       width before the head (the paper's pre-training head).
     approximate_gelu: tanh-approximate GELU, as in the official JAX code and
@@ -650,6 +676,7 @@ class VisionTransformer(nn.Module):
   patch_dropout_rate: float = 0.0
   shifted_patches: bool = False
   locality_attention: bool = False
+  attention_implementation: str = "auto"
   representation_size: Optional[int] = None
   approximate_gelu: bool = True
   layer_norm_epsilon: float = 1e-6
@@ -695,6 +722,7 @@ class VisionTransformer(nn.Module):
         num_prefix_tokens=int(self.classifier == "token"),
         learned_posemb=self.posemb == "learn",
         locality_attention=self.locality_attention,
+        attention_implementation=self.attention_implementation,
         approximate_gelu=self.approximate_gelu,
         layer_norm_epsilon=self.layer_norm_epsilon,
         scan_blocks=self.scan_blocks, remat_blocks=self.remat_blocks,

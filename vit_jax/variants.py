@@ -78,6 +78,7 @@ def get_variant(name: str) -> ml_collections.ConfigDict:
       patch_dropout_rate=0.0,
       shifted_patches=False,
       locality_attention=False,
+      attention_implementation="auto",
       representation_size=ml_collections.config_dict.placeholder(int),
       approximate_gelu=True,
       layer_norm_epsilon=1e-6,

@@ -1,0 +1,141 @@
+"""The attention core's implementations: the einsums, XLA's and cuDNN's
+`jax.nn.dot_product_attention`, and which one `attention_implementation`
+picks where."""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vit_jax import attention, models
+
+# head_dim 12: 1/sqrt(12) is inexact, so scaling the query first (einsums)
+# and the logits after (jax.nn.dot_product_attention) round differently.
+_DIMS = dict(num_classes=5, patch_size=4, hidden_size=36, num_layers=2,
+             num_heads=3, mlp_dim=48)
+
+
+def _params_and_images(**overrides):
+  images = jax.random.normal(jax.random.key(0), (3, 12, 12, 3))
+  params = models.VisionTransformer(**_DIMS, **overrides).init(
+      jax.random.key(1), images)
+  # The head starts at zero; random values make every parameter matter.
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(2), len(leaves))
+  params = treedef.unflatten([leaf + 0.2 * jax.random.normal(key, leaf.shape)
+                              for leaf, key in zip(leaves, keys)])
+  return params, images
+
+
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+def test_xla_dot_product_attention_gives_the_einsums_values(classifier):
+  """Logits and gradients agree to float rounding, with the class-token-only
+  last block ("token") and with a full one ("gap")."""
+  params, images = _params_and_images(classifier=classifier)
+
+  def logits_and_grads(implementation):
+    model = models.VisionTransformer(
+        **_DIMS, classifier=classifier,
+        attention_implementation=implementation)
+    loss = lambda p: jnp.sum(jnp.sin(model.apply(p, images)))
+    return model.apply(params, images), jax.grad(loss)(params)
+
+  einsum_logits, einsum_grads = logits_and_grads("einsum")
+  xla_logits, xla_grads = logits_and_grads("xla")
+  assert float(jnp.max(jnp.abs(einsum_logits))) > 0.1  # not trivially equal
+  chex.assert_trees_all_close(xla_logits, einsum_logits, atol=1e-5,
+                              rtol=1e-5)
+  chex.assert_trees_all_close(xla_grads, einsum_grads, atol=1e-5, rtol=1e-4)
+  differ = jax.tree.leaves(jax.tree.map(
+      lambda a, b: bool(jnp.any(a != b)), xla_grads, einsum_grads))
+  assert any(differ), "the two paths should be different computations"
+
+
+def test_auto_on_cpu_traces_the_einsums():
+  params, images = _params_and_images()
+  jaxpr = lambda implementation: str(jax.make_jaxpr(
+      models.VisionTransformer(
+          **_DIMS, attention_implementation=implementation).apply)(
+              params, images))
+  assert jaxpr("auto") == jaxpr("einsum")
+  assert jaxpr("xla") != jaxpr("einsum")
+
+
+def test_attention_maps_are_captured_whatever_the_implementation():
+  params, images = _params_and_images()
+  model = models.VisionTransformer(**_DIMS, attention_implementation="xla")
+  logits, state = model.apply(params, images, mutable=["intermediates"])
+  chex.assert_trees_all_close(logits, model.apply(params, images),
+                              atol=1e-5, rtol=1e-5)
+  weights = state["intermediates"]["Transformer"]["encoderblock_0"][
+      "MultiHeadDotProductAttention_1"]["attention_weights"][0]
+  chex.assert_shape(weights, (3, 3, 10, 10))  # (B, heads, T, T)
+  np.testing.assert_allclose(np.sum(weights, axis=-1), 1.0, rtol=1e-5)
+
+
+def test_forced_implementations_refuse_what_they_cannot_compute():
+  params, images = _params_and_images()
+  dropout = models.VisionTransformer(**_DIMS, attention_dropout_rate=0.1,
+                                     attention_implementation="xla")
+  dropout.apply(params, images)  # evaluation: no dropout, runs
+  with pytest.raises(ValueError, match="attention dropout.*'auto'"):
+    dropout.apply(params, images, train=True,
+                  rngs={"dropout": jax.random.key(3)})
+  with pytest.raises(ValueError, match="needs a CUDA GPU.*'cpu'"):
+    models.VisionTransformer(**_DIMS, attention_implementation="cudnn").apply(
+        params, images)
+  with pytest.raises(ValueError, match="Unknown attention_implementation"):
+    models.VisionTransformer(**_DIMS, attention_implementation="flash").apply(
+        params, images)
+
+
+@dataclasses.dataclass
+class _Device:
+  platform: str
+  compute_capability: str | None = None
+
+
+_AMPERE = _Device("gpu", "8.0")
+
+
+@pytest.mark.parametrize("device, dtype, head_dim, problem", [
+    (_AMPERE, jnp.bfloat16, 64, None),
+    (_Device("gpu", "9.0"), jnp.float16, 128, None),
+    (_AMPERE, jnp.float32, 64, "bfloat16 or float16"),
+    (_Device("gpu", "7.5"), jnp.bfloat16, 64, "compute capability 8.0"),
+    (_AMPERE, jnp.bfloat16, 100, "multiple of 8 up to 128"),
+    (_AMPERE, jnp.bfloat16, 136, "multiple of 8 up to 128"),
+    (_Device("gpu"), jnp.bfloat16, 64, "CUDA GPU"),  # no capability: ROCm
+    (_Device("cpu"), jnp.bfloat16, 64, "CUDA GPU"),
+    (_Device("tpu"), jnp.bfloat16, 64, "CUDA GPU"),
+])
+def test_auto_takes_cudnn_exactly_where_it_runs(device, dtype, head_dim,
+                                                problem):
+  choice = attention.fused_implementation("auto", dtype, head_dim,
+                                          device=device)
+  assert choice == (None if problem else "cudnn")
+  if problem:
+    with pytest.raises(ValueError, match=problem):
+      attention.fused_implementation("cudnn", dtype, head_dim, device=device)
+  else:
+    assert attention.fused_implementation(
+        "cudnn", dtype, head_dim, device=device) == "cudnn"
+
+
+def test_einsums_whenever_probabilities_or_masks_are_needed():
+  choose = lambda requested, **flags: attention.fused_implementation(
+      requested, jnp.bfloat16, 64, device=_AMPERE, **flags)
+  for requested in attention.IMPLEMENTATIONS:  # attention maps: einsums
+    assert choose(requested, capturing=True) is None
+  assert choose("auto", dropout=True) is None
+  assert choose("auto", locality=True) is None
+  assert choose("einsum") is None
+  assert choose("xla") == "xla"
+  for requested in ("xla", "cudnn"):
+    with pytest.raises(ValueError, match="locality_attention"):
+      choose(requested, locality=True)
+    with pytest.raises(ValueError, match="attention dropout"):
+      choose(requested, dropout=True)

@@ -1,0 +1,87 @@
+"""Which kernel computes softmax(Q K^T / sqrt(d)) V: the model's own einsums
+or `jax.nn.dot_product_attention` (XLA's, or cuDNN's fused flash attention).
+
+`MultiHeadSelfAttention` asks `fused_implementation` once per trace. The
+choice changes neither the parameters nor (beyond float rounding) the values.
+
+  "auto"    cuDNN's flash attention where it runs (a CUDA GPU of compute
+            capability 8.0 or later, bfloat16/float16 compute, head_dim a
+            multiple of 8 up to 128): no (B, heads, T, T) probabilities in
+            memory. Elsewhere the einsums: on XLA:CPU
+            `jax.nn.dot_product_attention` was no faster (README, *Measured
+            and not kept*), and in JAX 0.10 its own default is XLA's path.
+  "einsum"  always the einsums.
+  "xla"     `jax.nn.dot_product_attention(implementation="xla")`.
+  "cudnn"   `jax.nn.dot_product_attention(implementation="cudnn")`; an
+            error where cuDNN cannot run it.
+
+Attention maps (the `intermediates` collection) need the probabilities, so
+capturing them always takes the einsums. Dropout on the probabilities and
+Locality Self-Attention's diagonal mask exist only there too: "auto" then
+takes the einsums, "xla" and "cudnn" raise.
+"""
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("auto", "einsum", "xla", "cudnn")
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def cudnn_problem(dtype: Any, head_dim: int, device: Any = None
+                  ) -> Optional[str]:
+  """Why cuDNN's flash attention cannot run this attention on `device`
+  (default: JAX's first device), or None if it can."""
+  device = jax.devices()[0] if device is None else device
+  capability = getattr(device, "compute_capability", None)  # CUDA only
+  if device.platform != "gpu" or capability is None:
+    return f"it needs a CUDA GPU, and this device is {device.platform!r}"
+  if tuple(int(part) for part in str(capability).split(".")) < (8, 0):
+    return (f"it needs a GPU of compute capability 8.0 or later, and this "
+            f"one has {capability}")
+  if jnp.dtype(dtype) not in _CUDNN_DTYPES:
+    return (f"it computes in bfloat16 or float16, and the model computes in "
+            f"{jnp.dtype(dtype).name} (config.model.dtype)")
+  if head_dim % 8 or head_dim > 128:
+    return (f"it needs head_dim (hidden_size / num_heads) a multiple of 8 up "
+            f"to 128, and it is {head_dim}")
+  return None
+
+
+def fused_implementation(requested: str, dtype: Any, head_dim: int, *,
+                         capturing: bool = False, dropout: bool = False,
+                         locality: bool = False, device: Any = None
+                         ) -> Optional[str]:
+  """The `implementation` to pass to `jax.nn.dot_product_attention`, or
+  None for the einsums.
+
+  requested: one of IMPLEMENTATIONS; dtype: the compute dtype; head_dim:
+  hidden_size / num_heads; capturing: attention maps are being captured;
+  dropout: dropout on the probabilities is active (training, rate > 0);
+  locality: Locality Self-Attention.
+  """
+  if requested not in IMPLEMENTATIONS:
+    raise ValueError(f"Unknown attention_implementation {requested!r}; "
+                     f"choose one of {IMPLEMENTATIONS}.")
+  if requested == "einsum" or capturing:
+    return None
+  unsupported = ("attention dropout" if dropout else
+                 "locality_attention" if locality else None)
+  if requested == "auto":
+    if unsupported or cudnn_problem(dtype, head_dim, device):
+      return None
+    return "cudnn"
+  if unsupported:
+    raise ValueError(
+        f"attention_implementation={requested!r} does not support "
+        f"{unsupported}; use 'auto' or 'einsum' (the model's own einsums).")
+  if requested == "cudnn":
+    problem = cudnn_problem(dtype, head_dim, device)
+    if problem:
+      raise ValueError(
+          f"attention_implementation='cudnn' cannot run here: {problem}. "
+          "Use 'auto', which takes cuDNN where it can and the einsums "
+          "elsewhere.")
+  return requested
