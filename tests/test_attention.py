@@ -19,14 +19,15 @@ _DIMS = dict(num_classes=5, patch_size=4, hidden_size=36, num_layers=2,
 
 
 def _params_and_images(**overrides):
-  images = jax.random.normal(jax.random.key(0), (3, 12, 12, 3))
-  params = models.VisionTransformer(**_DIMS, **overrides).init(
-      jax.random.key(1), images)
-  # The head starts at zero; random values make every parameter matter.
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(2), len(leaves))
-  params = treedef.unflatten([leaf + 0.2 * jax.random.normal(key, leaf.shape)
-                              for leaf, key in zip(leaves, keys)])
+  """Random params of the model's shapes (not an init's zero head, so every
+  parameter matters) and images, drawn in NumPy: nothing to compile."""
+  rng = np.random.default_rng(0)
+  images = rng.standard_normal((3, 12, 12, 3)).astype(np.float32)
+  shapes = jax.eval_shape(models.VisionTransformer(**_DIMS, **overrides).init,
+                          jax.random.key(1), images)
+  params = jax.tree.map(
+      lambda leaf: 0.3 * rng.standard_normal(leaf.shape).astype(np.float32),
+      shapes)
   return params, images
 
 
@@ -36,15 +37,16 @@ def test_xla_dot_product_attention_gives_the_einsums_values(classifier):
   last block ("token") and with a full one ("gap")."""
   params, images = _params_and_images(classifier=classifier)
 
-  def logits_and_grads(implementation):
+  def logits_and_grads(implementation):  # ((loss, logits), grads)
     model = models.VisionTransformer(
         **_DIMS, classifier=classifier,
         attention_implementation=implementation)
     loss = lambda p: jnp.sum(jnp.sin(model.apply(p, images)))
-    return model.apply(params, images), jax.grad(loss)(params)
+    return jax.jit(jax.value_and_grad(
+        lambda p: (loss(p), model.apply(p, images)), has_aux=True))(params)
 
-  einsum_logits, einsum_grads = logits_and_grads("einsum")
-  xla_logits, xla_grads = logits_and_grads("xla")
+  (_, einsum_logits), einsum_grads = logits_and_grads("einsum")
+  (_, xla_logits), xla_grads = logits_and_grads("xla")
   assert float(jnp.max(jnp.abs(einsum_logits))) > 0.1  # not trivially equal
   chex.assert_trees_all_close(xla_logits, einsum_logits, atol=1e-5,
                               rtol=1e-5)
