@@ -41,9 +41,12 @@ def test_xla_dot_product_attention_gives_the_einsums_values(classifier):
     model = models.VisionTransformer(
         **_DIMS, classifier=classifier,
         attention_implementation=implementation)
-    loss = lambda p: jnp.sum(jnp.sin(model.apply(p, images)))
-    return jax.jit(jax.value_and_grad(
-        lambda p: (loss(p), model.apply(p, images)), has_aux=True))(params)
+
+    def loss(params):
+      logits = model.apply(params, images)
+      return jnp.sum(jnp.sin(logits)), logits
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
   (_, einsum_logits), einsum_grads = logits_and_grads("einsum")
   (_, xla_logits), xla_grads = logits_and_grads("xla")
