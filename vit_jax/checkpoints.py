@@ -146,21 +146,28 @@ def restore_latest(manager: ocp.CheckpointManager, state
   target = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
       state)
+  path = os.path.join(manager.directory, str(step))
+  # Checked first, from the metadata: a restore that fails on a shape
+  # leaves Orbax's reads of the other arrays pending, never awaited.
+  mismatch = _first_param_mismatch(manager, step, state.params)
+  if mismatch:
+    raise CheckpointRestoreError(_cannot_restore(path, mismatch))
   try:
     restored = manager.restore(step, args=ocp.args.PyTreeRestore(
         target, restore_args=ocp.checkpoint_utils.construct_restore_args(
             target)))
   except Exception as e:  # pylint: disable=broad-except
-    path = os.path.join(manager.directory, str(step))
-    mismatch = _first_param_mismatch(manager, step, state.params)
-    cause = mismatch or f"{type(e).__name__}: {e}"
     raise CheckpointRestoreError(
-        f"Cannot restore the checkpoint {path}: {cause}\n"
-        "It was written by a different model or config, or it is damaged. "
-        "Train with the config that wrote it, point --workdir at a new "
-        "folder, or move that checkpoint away to resume from an earlier "
-        "one.") from e
+        _cannot_restore(path, f"{type(e).__name__}: {e}")) from e
   return restored, step
+
+
+def _cannot_restore(path: str, cause: str) -> str:
+  return (f"Cannot restore the checkpoint {path}: {cause}\n"
+          "It was written by a different model or config, or it is damaged. "
+          "Train with the config that wrote it, point --workdir at a new "
+          "folder, or move that checkpoint away to resume from an earlier "
+          "one.")
 
 
 def _first_param_mismatch(manager, step: int, params) -> Optional[str]:
