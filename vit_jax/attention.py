@@ -1,15 +1,15 @@
 """Which kernel computes softmax(Q K^T / sqrt(d)) V: the model's own einsums
 or `jax.nn.dot_product_attention` (XLA's, or cuDNN's fused flash attention).
 
-`MultiHeadSelfAttention` asks `fused_implementation` once per trace. The
+`MultiHeadSelfAttention` asks `fused_implementation` each time it is traced. The
 choice changes neither the parameters nor (beyond float rounding) the values.
 
   "auto"    cuDNN's flash attention where it runs (a CUDA GPU of compute
             capability 8.0 or later, bfloat16/float16 compute, head_dim a
             multiple of 8 up to 128): no (B, heads, T, T) probabilities in
             memory. Elsewhere the einsums: on XLA:CPU
-            `jax.nn.dot_product_attention` was no faster (README, *Measured
-            and not kept*), and in JAX 0.10 its own default is XLA's path.
+            `jax.nn.dot_product_attention` was no faster (README, *Attention
+            kernel*), and in JAX 0.10 its own default is XLA's path.
   "einsum"  always the einsums.
   "xla"     `jax.nn.dot_product_attention(implementation="xla")`.
   "cudnn"   `jax.nn.dot_product_attention(implementation="cudnn")`; an
