@@ -29,9 +29,9 @@ import os
 import sys
 
 if __name__ == "__main__":
-  # Before JAX starts: restarts once with huge pages (vit_jax/host.py).
+  # Before JAX starts: restarts once with a faster malloc (vit_jax/host.py).
   from vit_jax import host
-  host.reexec_with_huge_pages()
+  host.reexec_with_fast_malloc()
 
 import jax
 from absl import app, flags, logging

@@ -8,8 +8,8 @@ XLA reads the device count once per process, so each measurement is a fresh
 batch 128), alternating `--config.cpu_devices=0` (one device, operations
 split between threads) and `--config.cpu_devices=-1` (one device per
 core, the batch split between them) for --rounds rounds, so machine noise
-hits both alike; with huge pages, as main.py trains (unless
-GLIBC_TUNABLES is set). Prints images/s and compile time per process,
+hits both alike; with main.py's malloc settings (huge pages, and tcmalloc
+if installed; vit_jax/host.py), unless GLIBC_TUNABLES / LD_PRELOAD are set. Prints images/s and compile time per process,
 and ends with
 
   summary: per_core_over_one_device=1.31 one_device=305.2 per_core=399.8
@@ -45,7 +45,8 @@ _DEVICES = re.compile(r"(\d+) cpu device\(s\)")
 def _measure(cpu_devices: str) -> tuple[float, float, int]:
   """(images/s, compile seconds, devices) of one train_throughput.py run."""
   env = dict(os.environ)
-  env.setdefault("GLIBC_TUNABLES", host.HUGE_PAGES_TUNABLE)  # as in training
+  env.update(host.fast_malloc_environment(  # as main.py trains
+      env, host.find_tcmalloc()))
   # The device count is what is compared: drop one the caller may have set.
   env["XLA_FLAGS"] = " ".join(
       flag for flag in env.get("XLA_FLAGS", "").split()

@@ -14,7 +14,7 @@ WORKDIR/fashion_mnist_curve.png), and ends with one line:
 test_accuracy is the final evaluation's: the EMA params' if the config has
 ema_decay > 0 (that is the model such a config delivers), else the params'.
 Any config key can be overridden as in main.py (--config.num_epochs=2).
-Like main.py it restarts itself once with huge pages (vit_jax/host.py); unlike
+Like main.py it restarts itself once with a faster malloc (vit_jax/host.py); unlike
 main.py it leaves the persistent compilation cache off, so every run pays
 its compilation inside the budget.
 """
@@ -73,5 +73,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  host.reexec_with_huge_pages()
+  host.reexec_with_fast_malloc()
   app.run(main)

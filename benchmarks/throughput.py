@@ -18,10 +18,12 @@ Round 1 runs every implementation; round 2 runs vit_jax and the fastest
 PyTorch variant of each workload again, in the other order, and those two are
 compared by the mean of their two rounds (the machine's noise is +-10%).
 
-All workers run with the same environment, GLIBC_TUNABLES=glibc.malloc.hugetlb=1
-(transparent huge pages for large allocations, which main.py sets for
-itself; it speeds PyTorch up too, so the comparison is against the faster
-PyTorch), unless --no-huge_pages.
+All workers run with the same environment: main.py's malloc settings
+(vit_jax/host.py: GLIBC_TUNABLES=glibc.malloc.hugetlb=1, transparent huge
+pages for large blocks, and LD_PRELOAD of tcmalloc if it is installed, e.g.
+`apt-get install libtcmalloc-minimal4`), unless --no-fast_malloc or the
+caller set those variables. They speed PyTorch up too, so the comparison is
+against the faster PyTorch.
 
 Prints one table (images/s, achieved GFLOP/s from XLA's FLOP count of the
 same model, % of the PyTorch GEMM rate measured in the same run, compile time
@@ -247,8 +249,9 @@ def main():
                       help="vit_jax's config.cpu_devices: -1 (as in "
                       "configs/vit_tiny_cifar.py) runs it on a device per "
                       "core, the batch split; 0 on one device")
-  parser.add_argument("--no-huge_pages", dest="huge_pages",
-                      action="store_false")
+  parser.add_argument("--no-fast_malloc", dest="fast_malloc",
+                      action="store_false",
+                      help="workers without main.py's malloc settings")
   parser.add_argument("--growth", action="store_true",
                       help="also the cost-growth table (~4 more minutes)")
   args = parser.parse_args()
@@ -268,9 +271,9 @@ def main():
     os._exit(0)  # skips tearing down torch or JAX: up to ~1.3 s a worker
 
   env = dict(os.environ)
-  if args.huge_pages:
-    env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
   from vit_jax import host  # pylint: disable=g-import-not-at-top
+  if args.fast_malloc:
+    env.update(host.fast_malloc_environment(env, host.find_tcmalloc()))
   # torch.compile's cache beside vit_jax's XLA cache, not in /tmp (which
   # machines clean): the first run compiles cold (~1 min per workload),
   # later runs load.
@@ -319,7 +322,7 @@ def main():
   devices_flag = ("" if args.cpu_devices == -1 else
                   f" --cpu_devices={args.cpu_devices}")
   print(f"\nCommand: python benchmarks/throughput.py"
-        f"{'' if args.huge_pages else ' --no-huge_pages'}"
+        f"{'' if args.fast_malloc else ' --no-fast_malloc'}"
         f"{devices_flag}"
         f"{' --growth' if args.growth else ''}")
   print(f"GEMM fp32 GFLOP/s, best of 2x10 (2048^3 | 8320x192x768; jax with "
@@ -330,6 +333,8 @@ def main():
         f"{gemm['jax']['8320x192x768']:.0f}")
   print(f"vit_jax's XLA flags (vit_jax/host.py): "
         f"{results[workloads[0] + ('vit_jax',)][0]['xla_flags']}")
+  print(f"malloc, every worker: GLIBC_TUNABLES={env.get('GLIBC_TUNABLES', '')}"
+        f" LD_PRELOAD={env.get('LD_PRELOAD', '')}")
   print(f"load average (1/5/15 min) at start / after round 1 / end: "
         f"{' ; '.join(loads)}\n")
   header = ("| workload | impl | images/s | GFLOP/s | % GEMM | vs fastest "

@@ -3,12 +3,17 @@
 Each applies only where the user has not made the choice already, and each is
 documented in the README ("Speed on a CPU"):
 
-* Transparent huge pages for large allocations. XLA:CPU allocates a step's
-  scratch memory (gigabytes for a ViT) afresh each step; with 4 KiB pages
-  that is ~600,000 page faults per vit_tiny_cifar train step, a fifth of the
-  step's time. glibc maps large blocks with huge pages when started with
-  GLIBC_TUNABLES=glibc.malloc.hugetlb=1; the tunable is read only at process
-  start, so `reexec_with_huge_pages` restarts the process once with it.
+* A malloc that keeps freed memory (`reexec_with_fast_malloc`). XLA:CPU
+  allocates a step's scratch memory (gigabytes for a ViT) afresh each step,
+  and glibc hands blocks that large back to the kernel when they are freed,
+  so every step faults them in again. With 4 KiB pages that is ~600,000
+  page faults per vit_tiny_cifar train step; GLIBC_TUNABLES=
+  glibc.malloc.hugetlb=1 (transparent huge pages) makes it ~1,100. On a VM
+  that returns freed guest memory to its host (virtio-balloon free page
+  reporting) each of those still costs ~1 ms. tcmalloc, where installed
+  (Debian: libtcmalloc-minimal4), keeps the memory and reuses it: no faults
+  at all. Both are read only at process start, so the process restarts
+  once with them.
 * XLA:CPU flags (`default_xla_flags`), added to XLA_FLAGS on import of
   vit_jax unless XLA_FLAGS already names them: jaxlib 0.10 fuses softmax
   and the attention-weighted sum into one YNNPACK call that runs at
@@ -24,32 +29,62 @@ documented in the README ("Speed on a CPU"):
   rerun or a resume skips the seconds of compiling the train step.
 """
 
+import ctypes.util
 import logging
 import os
 import platform
 import sys
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+# gperftools' tcmalloc without the heap profiler; its soname is what
+# LD_PRELOAD takes (the dynamic linker finds it in the library path).
+TCMALLOC_LIBRARY = "tcmalloc_minimal"
 # Set in the environment to keep the process as it was started.
 NO_REEXEC_VARIABLE = "VIT_JAX_NO_REEXEC"
 
 
-def reexec_with_huge_pages() -> None:
-  """Restarts this Python process with huge pages for malloc, if useful.
+def fast_malloc_environment(environ: Mapping[str, str],
+                            tcmalloc: Optional[str]) -> dict[str, str]:
+  """The variables `reexec_with_fast_malloc` adds to `environ`.
 
-  Does nothing off Linux/glibc, when GLIBC_TUNABLES is already set (the
-  user's own choice wins, including an empty value), or when
-  VIT_JAX_NO_REEXEC is set. Call it first thing in a script, before threads
-  exist: os.execve replaces the process (same pid, same arguments and
-  interpreter options) and never returns when it restarts.
+  GLIBC_TUNABLES (huge pages for glibc's large blocks) and LD_PRELOAD
+  (`tcmalloc`, the library's soname or path, if installed: None if not),
+  each only if `environ` does not set it already; an empty value is the
+  user's choice too.
   """
-  if (sys.platform != "linux" or "GLIBC_TUNABLES" in os.environ
-      or os.environ.get(NO_REEXEC_VARIABLE)
+  added = {}
+  if "GLIBC_TUNABLES" not in environ:
+    added["GLIBC_TUNABLES"] = HUGE_PAGES_TUNABLE
+  if tcmalloc and "LD_PRELOAD" not in environ:
+    added["LD_PRELOAD"] = tcmalloc
+  return added
+
+
+def find_tcmalloc() -> Optional[str]:
+  """tcmalloc's soname if the dynamic linker can load it, else None."""
+  return ctypes.util.find_library(TCMALLOC_LIBRARY)
+
+
+def reexec_with_fast_malloc() -> None:
+  """Restarts this Python process with a faster malloc, if that is useful.
+
+  Adds `fast_malloc_environment`'s variables: glibc's huge pages, and
+  tcmalloc when it is installed. Does nothing off Linux/glibc, when the
+  user set both variables already (an empty value counts: LD_PRELOAD= keeps
+  glibc's malloc), or when VIT_JAX_NO_REEXEC is set. Call it first thing
+  in a script, before threads exist: os.execve replaces the process (same
+  pid, same arguments and interpreter options) and never returns when it
+  restarts.
+  """
+  if (sys.platform != "linux" or os.environ.get(NO_REEXEC_VARIABLE)
       or platform.libc_ver()[0] != "glibc"):
     return
-  env = dict(os.environ, GLIBC_TUNABLES=HUGE_PAGES_TUNABLE)
-  env[NO_REEXEC_VARIABLE] = "1"  # never loop, whatever glibc does with it
+  added = fast_malloc_environment(os.environ, find_tcmalloc())
+  if not added:
+    return
+  env = dict(os.environ, **added)
+  env[NO_REEXEC_VARIABLE] = "1"  # never loop, whatever the loader does
   sys.stdout.flush()
   sys.stderr.flush()
   os.execve(sys.executable, sys.orig_argv, env)
