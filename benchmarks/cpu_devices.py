@@ -9,8 +9,8 @@ batch 128), alternating `--config.cpu_devices=0` (one device, operations
 split between threads) and `--config.cpu_devices=-1` (one device per
 core, the batch split between them) for --rounds rounds, so machine noise
 hits both alike; with main.py's malloc settings (huge pages, and tcmalloc
-if installed; vit_jax/host.py), unless GLIBC_TUNABLES / LD_PRELOAD are set. Prints images/s and compile time per process,
-and ends with
+if installed; vit_jax/host.py) unless GLIBC_TUNABLES / LD_PRELOAD are
+set. Prints images/s and compile time per process, and ends with
 
   summary: per_core_over_one_device=1.31 one_device=305.2 per_core=399.8
 

@@ -14,9 +14,9 @@ WORKDIR/fashion_mnist_curve.png), and ends with one line:
 test_accuracy is the final evaluation's: the EMA params' if the config has
 ema_decay > 0 (that is the model such a config delivers), else the params'.
 Any config key can be overridden as in main.py (--config.num_epochs=2).
-Like main.py it restarts itself once with a faster malloc (vit_jax/host.py); unlike
-main.py it leaves the persistent compilation cache off, so every run pays
-its compilation inside the budget.
+Like main.py it restarts itself once with a faster malloc
+(vit_jax/host.py); unlike main.py it leaves the persistent compilation
+cache off, so every run pays its compilation inside the budget.
 """
 
 import os

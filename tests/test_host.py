@@ -63,8 +63,8 @@ def test_reexec_restarts_once_with_fast_malloc_and_same_arguments():
   tcmalloc = str(host.find_tcmalloc())  # "None" where not installed
   assert lines[1][2:] == [host.HUGE_PAGES_TUNABLE, tcmalloc]
   assert lines[2][2:3] == [host.HUGE_PAGES_TUNABLE]
-  assert lines[2][3] == f"{tcmalloc} ['a', '--b=1'] False"  # arguments
-  # kept; importing vit_jax.host loads no JAX
+  # The arguments are kept, and importing vit_jax.host loads no JAX.
+  assert lines[2][3] == f"{tcmalloc} ['a', '--b=1'] False"
 
 
 def test_reexec_leaves_a_user_choice_alone():
@@ -74,8 +74,8 @@ def test_reexec_leaves_a_user_choice_alone():
     assert [line[0] for line in lines] == ["start", "after"], env
 
 
-# Runs a jitted function with ~130 MB of XLA scratch (a fresh allocation
-# each call) and prints the page faults of its later calls.
+# Runs a jitted function whose 64 MiB product lives in XLA's scratch (a
+# fresh allocation each call) and prints the page faults of its later calls.
 _FAULTS = """
 import resource
 from vit_jax import host
