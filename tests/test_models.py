@@ -415,7 +415,10 @@ def test_remat_blocks_alone_recomputes_in_the_backward_pass():
                               rtol=1e-5, atol=1e-6)
   scratch = {remat: program.memory_analysis().temp_size_in_bytes
              for remat, program in compiled.items()}
-  assert scratch[True] < 0.5 * scratch[False], scratch
+  # Without remat every block keeps its attention probabilities (B, heads,
+  # T, T) for the backward pass; with it, only the block being recomputed.
+  probabilities_bytes = 32 * 4 * 65 * 65 * 4
+  assert scratch[True] < scratch[False] - 3 * probabilities_bytes, scratch
 
 
 BLOCK_MODES = [dict(scan_blocks=True), dict(remat_blocks=True),

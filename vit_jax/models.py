@@ -221,7 +221,7 @@ class MultiHeadSelfAttention(nn.Module):
     if self.locality:  # a token does not attend to itself
       logits = jnp.where(jnp.eye(*logits.shape[-2:], dtype=bool),
                          jnp.finfo(jnp.float32).min, logits)
-    weights = jax.nn.softmax(logits, axis=-1)
+    weights = attention.softmax(logits)
     self.sow("intermediates", "attention_weights", weights)
     weights = nn.Dropout(self.attention_dropout_rate)(
         weights, deterministic=deterministic).astype(self.dtype)
