@@ -141,3 +141,29 @@ def test_throughput_inference_worker_counts_the_forward_pass():
   assert measured["images_per_s"] > 0
   forward = _forward_flops_of_the_tiny_worker()
   assert forward < measured["flops_per_image"] < 1.1 * forward, measured
+
+
+def test_step_ab_compares_two_softmaxes_in_one_process():
+  """benchmarks/step_ab.py on a 2-layer vit_tiny_cifar: both variants
+  step, the summary line parses, and XLA's scratch shows what
+  jax.nn.softmax keeps beside its output: one more (B, heads, T, T) array
+  for the first block, 128 x 3 x 65 x 65 floats (the last block attends
+  from the class token only)."""
+  result = subprocess.run(
+      [sys.executable, "benchmarks/step_ab.py", "--model=vit_tiny_cifar",
+       "--a={\"num_layers\": 2}", "--b={\"num_layers\": 2}",
+       "--a_softmax=jax.nn", "--pairs=2", "--cpu_devices=0"],
+      cwd=ROOT, capture_output=True, text=True, timeout=600,
+      env=dict(os.environ, VIT_JAX_NO_REEXEC="1",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1"))
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.strip().splitlines()
+  summary = re.fullmatch(r"summary: b_over_a_step=(\d+\.\d{3}) "
+                         r"a_temp_mib=(\d+) b_temp_mib=(\d+)", lines[-1])
+  assert summary, lines[-1]
+  assert 0.2 < float(summary.group(1)) < 5
+  probabilities_mib = 128 * 3 * 65 * 65 * 4 / 2**20
+  assert (int(summary.group(2)) - int(summary.group(3))
+          >= probabilities_mib - 1), lines[-1]
+  assert any(line.startswith("A: ") and "softmax=jax.nn" in line
+             for line in lines)

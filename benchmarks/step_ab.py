@@ -1,0 +1,132 @@
+r"""Two variants of vit_jax's train step, side by side in one process.
+
+  python benchmarks/step_ab.py --b='{"attention_implementation": "xla"}'
+  python benchmarks/step_ab.py --model=vit_tiny_cifar --a_softmax=jax.nn
+  python benchmarks/step_ab.py --cpu_devices=0 --pairs=20
+
+Compiles the train step of benchmarks/throughput.py's vit_jax worker (same
+dims, batch, AdamW, a device per core unless --cpu_devices says otherwise)
+for two variants of the model, A and B, each a JSON dict of
+`models.VisionTransformer` fields over those dims, then steps them
+alternately (A B, B A, A B, ...). Fresh processes differ by 8-15% on these
+machines; alternating steps in one process see the same machine state, so a
+difference of a few percent shows. --a_softmax / --b_softmax pick the
+einsum attention's softmax: "ours" (`attention.softmax`, which keeps only
+its output for the backward pass) or "jax.nn" (`jax.nn.softmax`).
+
+Prints each variant's XLA scratch (temp) per device, compile seconds and
+median step, then
+  summary: b_over_a_step=… a_temp_mib=… b_temp_mib=…
+where b_over_a_step is the median over pairs of B's step time over A's
+(below 1: B is faster). Like main.py it restarts itself once with a faster
+malloc (vit_jax/host.py).
+"""
+
+import functools
+import json
+import statistics
+import sys
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import throughput  # this folder's: the worker's model, dims and batch
+from vit_jax import attention, host, models, optim, sharding, steps
+
+OUR_SOFTMAX = attention.softmax
+
+_MODEL = flags.DEFINE_enum("model", "ViT-Ti/16@224",
+                           ["ViT-Ti/16@224", "vit_tiny_cifar"],
+                           "Workload, as in benchmarks/throughput.py.")
+_A = flags.DEFINE_string("a", "{}", "Variant A's model fields (JSON).")
+_B = flags.DEFINE_string("b", "{}", "Variant B's model fields (JSON).")
+_A_SOFTMAX = flags.DEFINE_enum("a_softmax", "ours", ["ours", "jax.nn"],
+                               "Variant A's attention softmax.")
+_B_SOFTMAX = flags.DEFINE_enum("b_softmax", "ours", ["ours", "jax.nn"],
+                               "Variant B's attention softmax.")
+_PAIRS = flags.DEFINE_integer("pairs", 14, "Timed steps of each variant.")
+_CPU_DEVICES = flags.DEFINE_integer(
+    "cpu_devices", -1, "config.cpu_devices: -1 a device per core, 0 one.")
+
+
+def compile_variant(fields: dict, softmax: str, size: int, patch: int,
+                    images, labels, mesh):
+  """(compiled train step, its train state, seconds of trace + lowering +
+  compilation) for one variant."""
+  # The blocks are traced once and cached by jit: a new softmax needs a
+  # new trace.
+  attention.softmax = (OUR_SOFTMAX if softmax == "ours"
+                       else lambda logits: jax.nn.softmax(logits, axis=-1))
+  jax.clear_caches()
+  model = models.VisionTransformer(num_classes=throughput.NUM_CLASSES,
+                                   patch_size=patch,
+                                   **dict(throughput.DIMS, **fields))
+  state = steps.create_train_state(model, (size, size, 3), optim.adamw(
+      1e-3, weight_decay=0.05), 0, mesh)
+  step = jax.jit(functools.partial(
+      steps.train_step,
+      preprocess=lambda images, key: (images.astype(jnp.float32) - 127.5)
+      / 64.0, label_smoothing=0.0, learning_rate_fn=lambda step: 1e-3),
+                 donate_argnums=0)
+  start = time.perf_counter()
+  compiled = step.trace(state, images, labels).lower().compile()
+  return compiled, state, time.perf_counter() - start
+
+
+def main(argv):
+  del argv
+  size, patch, batch, _ = throughput.MODELS[_MODEL.value]
+  # Before JAX starts its backend (importing it does not).
+  host.split_cpu_into_devices(_CPU_DEVICES.value, (batch,))
+  mesh = sharding.make_mesh()
+  rng = np.random.default_rng(0)
+  images, labels = jax.device_put(
+      (rng.integers(0, 256, (batch, size, size, 3), np.uint8),
+       rng.integers(0, throughput.NUM_CLASSES, batch).astype(np.int32)),
+      sharding.batch_sharded(mesh))
+  variants = {}
+  for name, fields, softmax in (("A", _A.value, _A_SOFTMAX.value),
+                                ("B", _B.value, _B_SOFTMAX.value)):
+    compiled, state, compile_s = compile_variant(
+        json.loads(fields), softmax, size, patch, images, labels, mesh)
+    variants[name] = dict(compiled=compiled, state=state,
+                          compile_s=compile_s, times=[],
+                          temp_mib=compiled.memory_analysis()
+                          .temp_size_in_bytes / 2**20)
+
+  def step(variant):
+    start = time.perf_counter()
+    variant["state"], metrics = variant["compiled"](variant["state"],
+                                                    images, labels)
+    jax.block_until_ready(metrics)
+    return time.perf_counter() - start
+
+  for variant in variants.values():  # warm-up: first runs fault memory in
+    step(variant)
+  for pair in range(_PAIRS.value):
+    order = "AB" if pair % 2 == 0 else "BA"
+    for name in order:
+      variants[name]["times"].append(step(variants[name]))
+
+  print(f"\nCommand: python benchmarks/step_ab.py {' '.join(sys.argv[1:])}")
+  print(f"{_MODEL.value}, batch {batch}, {len(jax.devices())} device(s)")
+  for name, variant in variants.items():
+    fields = _A.value if name == "A" else _B.value
+    softmax = _A_SOFTMAX.value if name == "A" else _B_SOFTMAX.value
+    print(f"{name}: {fields} softmax={softmax}: median step "
+          f"{statistics.median(variant['times']):.3f} s, scratch "
+          f"{variant['temp_mib']:.0f} MiB per device, compile "
+          f"{variant['compile_s']:.1f} s")
+  ratios = [b / a for a, b in zip(variants["A"]["times"],
+                                  variants["B"]["times"])]
+  print(f"summary: b_over_a_step={statistics.median(ratios):.3f} "
+        f"a_temp_mib={variants['A']['temp_mib']:.0f} "
+        f"b_temp_mib={variants['B']['temp_mib']:.0f}")
+
+
+if __name__ == "__main__":
+  host.reexec_with_fast_malloc()
+  app.run(main)
