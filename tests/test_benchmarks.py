@@ -9,6 +9,18 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+
+
+def _run(*args: str, env: dict[str, str] | None = None,
+         timeout: int = 600) -> list[str]:
+  """Runs `python *args` in the repository and returns its stdout lines;
+  the test fails with the script's stderr if it fails."""
+  result = subprocess.run([sys.executable, *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, **(env or {})))
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout.strip().splitlines()
 
 
 @pytest.mark.slow
@@ -16,19 +28,13 @@ def test_fashion_mnist_benchmark_prints_curve_and_summary(tmp_path,
                                                           fashion_mnist_dir):
   del fashion_mnist_dir  # the config finds the Debian files itself
   plot = tmp_path / "curve.png"
-  result = subprocess.run(
-      [sys.executable, "benchmarks/fashion_mnist.py",
-       "--config=configs/vit_fashion_mnist_15min.py",
-       "--config.max_train_examples=1024", "--config.max_eval_examples=500",
-       "--config.num_epochs=2", "--config.eval_every_epochs=1",
-       "--config.model.num_layers=1",
-       "--config.eval_batch_size=250", f"--workdir={tmp_path / 'run'}",
-       f"--plot={plot}"],
-      cwd=ROOT, capture_output=True, text=True, timeout=600,
-      env=dict(os.environ,
-               XLA_FLAGS="--xla_force_host_platform_device_count=1"))
-  assert result.returncode == 0, result.stderr[-3000:]
-  lines = result.stdout.strip().splitlines()
+  lines = _run(
+      "benchmarks/fashion_mnist.py",
+      "--config=configs/vit_fashion_mnist_15min.py",
+      "--config.max_train_examples=1024", "--config.max_eval_examples=500",
+      "--config.num_epochs=2", "--config.eval_every_epochs=1",
+      "--config.model.num_layers=1", "--config.eval_batch_size=250",
+      f"--workdir={tmp_path / 'run'}", f"--plot={plot}", env=ONE_DEVICE)
   summary = re.fullmatch(r"summary: test_accuracy=(\d\.\d{4}) "
                          r"wall_minutes=(\d+\.\d)", lines[-1])
   assert summary, lines[-1]
@@ -54,16 +60,12 @@ def test_throughput_worker_measures_the_real_train_step(cpu_devices):
   FLOP count is XLA's for the real train step (all devices' shares) and sits
   between the forward (2 x multiply-adds) and a generous 4x of it plus the
   optimizer's update."""
-  result = subprocess.run(
-      [sys.executable, "benchmarks/throughput.py", "--worker",
-       "--impl=vit_jax", "--mode=train", "--image_size=8", "--patch_size=4",
-       "--batch=4", "--num_layers=1", "--steps=1",
-       f"--cpu_devices={cpu_devices}"],
-      cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, XLA_FLAGS="" if cpu_devices else
-               "--xla_force_host_platform_device_count=1"))
-  assert result.returncode == 0, result.stderr[-3000:]
-  measured = json.loads(result.stdout.strip().splitlines()[-1])
+  measured = json.loads(_run(
+      "benchmarks/throughput.py", "--worker", "--impl=vit_jax",
+      "--mode=train", "--image_size=8", "--patch_size=4", "--batch=4",
+      "--num_layers=1", "--steps=1", f"--cpu_devices={cpu_devices}",
+      env={"XLA_FLAGS": ""} if cpu_devices else ONE_DEVICE,
+      timeout=300)[-1])
   if cpu_devices:
     assert (f"--xla_force_host_platform_device_count={cpu_devices}"
             in measured["xla_flags"])
@@ -88,22 +90,17 @@ def test_scan_remat_benchmark_compares_modes():
   """benchmarks/scan_remat.py on a small model: one row per mode asked for,
   the same state in each, and scan + remat needing less step memory than
   the plain loop (XLA's own memory analysis)."""
-  result = subprocess.run(
-      [sys.executable, "benchmarks/scan_remat.py", "--models=ViT-Mini/7",
-       "--modes=plain,scan+remat", "--run=ViT-Mini/7", "--rounds=1",
-       "--steps=1"],
-      cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env=dict(os.environ,
-               XLA_FLAGS="--xla_force_host_platform_device_count=1"))
-  assert result.returncode == 0, result.stderr[-3000:]
+  lines = _run("benchmarks/scan_remat.py", "--models=ViT-Mini/7",
+               "--modes=plain,scan+remat", "--run=ViT-Mini/7", "--rounds=1",
+               "--steps=1", env=ONE_DEVICE, timeout=300)
   rows = {}
-  for line in result.stdout.splitlines():
+  for line in lines:
     cells = [c.strip() for c in line.strip("|").split("|")]
     if cells[0] == "ViT-Mini/7":
       rows[cells[2]] = dict(
           temp=float(cells[5].replace(",", "")),
           state=float(cells[6].replace(",", "")), speed=float(cells[7]))
-  assert set(rows) == {"plain", "scan+remat"}, result.stdout
+  assert set(rows) == {"plain", "scan+remat"}, lines
   assert len({row["state"] for row in rows.values()}) == 1
   assert rows["scan+remat"]["temp"] < rows["plain"]["temp"]
   assert all(row["speed"] > 0 for row in rows.values())
@@ -112,14 +109,11 @@ def test_scan_remat_benchmark_compares_modes():
 @pytest.mark.slow
 def test_cpu_devices_benchmark_compares_one_device_with_one_per_core():
   """Each setting in its own process, with the device count it asks for."""
-  result = subprocess.run(
-      [sys.executable, "benchmarks/cpu_devices.py", "--rounds=1", "--steps=1",
-       "--overrides=--config.model.num_layers=1"],
-      cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
-  lines = result.stdout.strip().splitlines()
-  devices = [int(d) for d in re.findall(r"(\d+) device\(s\)", result.stdout)]
-  assert devices == [1, len(os.sched_getaffinity(0))], result.stdout
+  lines = _run("benchmarks/cpu_devices.py", "--rounds=1", "--steps=1",
+               "--overrides=--config.model.num_layers=1")
+  devices = [int(d) for d in re.findall(r"(\d+) device\(s\)",
+                                        "\n".join(lines))]
+  assert devices == [1, len(os.sched_getaffinity(0))], lines
   summary = re.fullmatch(r"summary: per_core_over_one_device=([\d.]+) "
                          r"one_device=([\d.]+) per_core=([\d.]+)", lines[-1])
   assert summary, lines[-1]
@@ -130,14 +124,11 @@ def test_cpu_devices_benchmark_compares_one_device_with_one_per_core():
 def test_throughput_inference_worker_counts_the_forward_pass():
   """The inference worker on two devices (params replicated, batch split):
   XLA's FLOPs per image are the forward's, plus a little elementwise work."""
-  result = subprocess.run(
-      [sys.executable, "benchmarks/throughput.py", "--worker",
-       "--impl=vit_jax", "--mode=infer", "--image_size=8", "--patch_size=4",
-       "--batch=4", "--num_layers=1", "--steps=1", "--cpu_devices=2"],
-      cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, XLA_FLAGS=""))
-  assert result.returncode == 0, result.stderr[-3000:]
-  measured = json.loads(result.stdout.strip().splitlines()[-1])
+  measured = json.loads(_run(
+      "benchmarks/throughput.py", "--worker", "--impl=vit_jax",
+      "--mode=infer", "--image_size=8", "--patch_size=4", "--batch=4",
+      "--num_layers=1", "--steps=1", "--cpu_devices=2",
+      env={"XLA_FLAGS": ""}, timeout=300)[-1])
   assert measured["images_per_s"] > 0
   forward = _forward_flops_of_the_tiny_worker()
   assert forward < measured["flops_per_image"] < 1.1 * forward, measured
@@ -149,15 +140,10 @@ def test_step_ab_compares_two_softmaxes_in_one_process():
   jax.nn.softmax keeps beside its output: one more (B, heads, T, T) array
   for the first block, 128 x 3 x 65 x 65 floats (the last block attends
   from the class token only)."""
-  result = subprocess.run(
-      [sys.executable, "benchmarks/step_ab.py", "--model=vit_tiny_cifar",
-       "--a={\"num_layers\": 2}", "--b={\"num_layers\": 2}",
-       "--a_softmax=jax.nn", "--pairs=2", "--cpu_devices=0"],
-      cwd=ROOT, capture_output=True, text=True, timeout=600,
-      env=dict(os.environ, VIT_JAX_NO_REEXEC="1",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1"))
-  assert result.returncode == 0, result.stderr[-3000:]
-  lines = result.stdout.strip().splitlines()
+  lines = _run("benchmarks/step_ab.py", "--model=vit_tiny_cifar",
+               "--a={\"num_layers\": 2}", "--b={\"num_layers\": 2}",
+               "--a_softmax=jax.nn", "--pairs=2", "--cpu_devices=0",
+               env=dict(ONE_DEVICE, VIT_JAX_NO_REEXEC="1"))
   summary = re.fullmatch(r"summary: b_over_a_step=(\d+\.\d{3}) "
                          r"a_temp_mib=(\d+) b_temp_mib=(\d+)", lines[-1])
   assert summary, lines[-1]
