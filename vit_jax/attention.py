@@ -17,9 +17,9 @@ choice changes neither the parameters nor (beyond float rounding) the values.
 
 The einsums' softmax is `softmax`, below: it keeps only its output for
 the backward pass. Attention maps (the `intermediates` collection) need
-the probabilities, so capturing them always takes the einsums. Dropout on the probabilities and
-Locality Self-Attention's diagonal mask exist only there too: "auto" then
-takes the einsums, "xla" and "cudnn" raise.
+the probabilities, so capturing them always takes the einsums. Dropout on
+the probabilities and Locality Self-Attention's diagonal mask exist only
+there too: "auto" then takes the einsums, "xla" and "cudnn" raise.
 """
 
 from typing import Any, Optional
@@ -95,19 +95,17 @@ def softmax(logits: jax.Array) -> jax.Array:
   The same values as `jax.nn.softmax` up to float rounding. Under
   differentiation the probabilities are computed as exp(shifted -
   log(sum(exp(shifted)))), shifted = logits - max(logits), and the backward
-  pass reads only them:
-  d logits = p * (g - sum(g * p)). Why: for jax.nn.softmax XLA:CPU
-  materialises exp(logits - max), keeps it for the backward pass and
-  recomputes p from it there, while p itself is kept for the gradient of
-  the weighted sum of values: two (B, heads, T, T) arrays per block. With
-  the exponential inside p's own kernel (exp is too costly for XLA to
-  duplicate into the backward pass) only p is kept: a ViT-Ti/16 @224 train
-  step's scratch per device (batch 16) went from 511 to 432 MiB, at the
-  same speed. Without differentiation it is jax.nn.softmax's arithmetic
-  (one exp per logit).
+  pass reads only them: d logits = p * (g - sum(g * p)), g the gradient of
+  p. Why: for jax.nn.softmax XLA:CPU materialises exp(logits - max), keeps
+  it for the backward pass and recomputes p from it there, while p itself
+  is kept for the gradient of the weighted sum of values: two (B, heads,
+  T, T) arrays per block. With the exponential inside p's own kernel (exp
+  is too costly for XLA to duplicate into the backward pass) only p is
+  kept: a ViT-Ti/16 @224 train step's scratch per device (batch 16) went
+  from 511 to 432 MiB, at the same speed. Without differentiation it is
+  jax.nn.softmax's arithmetic (one exp per logit).
   """
-  peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-  unnormalized = jnp.exp(logits - peak)
+  unnormalized = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
   return unnormalized / jnp.sum(unnormalized, axis=-1, keepdims=True)
 
 
