@@ -147,7 +147,6 @@ def test_einsums_whenever_probabilities_or_masks_are_needed():
       choose(requested, dropout=True)
 
 
-
 def _attention_stack_loss(tokens, scales, softmax):
   """sum(sin) of (B, heads, T, head_dim) tokens through len(scales)
   residual attention cores, tokens + softmax(scale Q K^T) V, Q = K = V the
@@ -162,8 +161,9 @@ def test_softmax_matches_a_float64_reference_and_keeps_only_its_output():
   """attention.softmax: values and gradients of a float64 NumPy softmax
   (logits of a wide range, a masked diagonal as Locality Self-Attention
   masks it), and in a compiled forward + backward pass through attention
-  cores XLA's scratch holds one (B, heads, T, T) array per core less than
-  with jax.nn.softmax (which keeps exp(logits - max) beside the output)."""
+  cores XLA's scratch holds one (B, heads, T, T) array per core (but the
+  last, whose backward pass comes first) less than with jax.nn.softmax,
+  which keeps exp(logits - max) beside the output."""
   rng = np.random.default_rng(0)
   logits = 8 * rng.standard_normal((2, 3, 5, 7))
   logits[..., np.arange(5), np.arange(5)] = np.finfo(np.float32).min
