@@ -151,6 +151,29 @@ class MlpBlock(nn.Module):
     return nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
 
 
+class HeadsProjection(nn.Module):
+  """The parameters of attention's query, key or value projection, as
+  `nn.DenseGeneral((heads, head_dim))` lays them out and initialises them
+  (kernel (D, heads, head_dim), Xavier-uniform over its (D, heads *
+  head_dim) matrix; bias (heads, head_dim), zeros): returned, not applied,
+  as a (D, heads * head_dim) kernel and a flat bias, so that the
+  projections can run as one matmul."""
+  num_heads: int
+  head_dim: int
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, hidden_size: int) -> tuple[jax.Array, jax.Array]:
+    width = self.num_heads * self.head_dim
+    kernel = self.param(
+        "kernel", lambda key, shape, dtype: nn.initializers.xavier_uniform()(
+            key, (hidden_size, width), dtype).reshape(shape),
+        (hidden_size, self.num_heads, self.head_dim), self.param_dtype)
+    bias = self.param("bias", nn.initializers.zeros,
+                      (self.num_heads, self.head_dim), self.param_dtype)
+    return kernel.reshape(hidden_size, width), bias.reshape(width)
+
+
 class MultiHeadSelfAttention(nn.Module):
   """Multi-head dot-product self-attention. (B, T, D) -> (B, T, D).
 
@@ -190,14 +213,28 @@ class MultiHeadSelfAttention(nn.Module):
           f"hidden_size {hidden_size} is not divisible by num_heads "
           f"{self.num_heads}; choose num_heads that divides it.")
     head_dim = hidden_size // self.num_heads
-    projection = lambda name: nn.DenseGeneral(
-        (self.num_heads, head_dim), dtype=self.dtype,
-        param_dtype=self.param_dtype,
-        kernel_init=nn.initializers.xavier_uniform(), name=name)
-    queries_from = x if num_query_tokens is None else x[:, :num_query_tokens]
-    query = per_token(projection("query"), queries_from)  # (B, Q, heads, hd)
-    key = per_token(projection("key"), x)  # (B, T, heads, head_dim)
-    value = per_token(projection("value"), x)
+    projections = {name: HeadsProjection(self.num_heads, head_dim,
+                                         self.param_dtype, name=name)(
+                                             hidden_size)
+                   for name in ("query", "key", "value")}
+
+    def project(inputs, names):
+      """(B, T, D) -> a (B, T, heads, head_dim) per name, from one matmul:
+      (B*T, D) @ (D, 3*D) runs faster on XLA:CPU than three of (D, D)."""
+      kernel = jnp.concatenate([projections[n][0] for n in names], axis=1)
+      bias = jnp.concatenate([projections[n][1] for n in names])
+      inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias,
+                                                     dtype=self.dtype)
+      batch, num_tokens = inputs.shape[:2]
+      outputs = inputs.reshape(batch * num_tokens, hidden_size) @ kernel
+      return [part.reshape(batch, num_tokens, self.num_heads, head_dim)
+              for part in jnp.split(outputs + bias, len(names), axis=-1)]
+
+    if num_query_tokens is None:
+      query, key, value = project(x, ("query", "key", "value"))
+    else:  # (B, Q, heads, head_dim) queries
+      (query,) = project(x[:, :num_query_tokens], ("query",))
+      key, value = project(x, ("key", "value"))
     output = nn.DenseGeneral(
         hidden_size, axis=(-2, -1), dtype=self.dtype,
         param_dtype=self.param_dtype,
