@@ -148,11 +148,21 @@ def test_data_parallel_and_fsdp_train_like_one_device():
   for name, (losses, params) in results.items():
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-5,
                                err_msg=name)
-    # atol 1e-5: the attention key bias has an exactly-zero true gradient
-    # (softmax ignores a per-row shift), so Adam turns its float noise,
-    # which differs with the reduction order, into updates of ~1e-6.
-    chex.assert_trees_all_close(params, reference_params, rtol=1e-4,
-                                atol=1e-5)
+    # The attention key bias has an exactly-zero true gradient (softmax
+    # ignores a per-row shift) and no effect on any output, so Adam turns
+    # its float noise, which differs with the reduction order, into
+    # updates of ~1e-6..1e-5 of either sign: compared only as being small.
+    key_bias = lambda path: [entry.key for entry in path[-2:]] == [
+        "key", "bias"]
+    for tree in (params, reference_params):
+      for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if key_bias(path):
+          assert np.abs(leaf).max() < 1e-4, (name, path)
+    others = lambda tree: jax.tree_util.tree_map_with_path(
+        lambda path, leaf: np.zeros_like(leaf) if key_bias(path) else leaf,
+        tree)
+    chex.assert_trees_all_close(others(params), others(reference_params),
+                                rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow
