@@ -225,10 +225,9 @@ class MultiHeadSelfAttention(nn.Module):
       bias = jnp.concatenate([projections[n][1] for n in names])
       inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias,
                                                      dtype=self.dtype)
-      batch, num_tokens = inputs.shape[:2]
-      outputs = inputs.reshape(batch * num_tokens, hidden_size) @ kernel
-      return [part.reshape(batch, num_tokens, self.num_heads, head_dim)
-              for part in jnp.split(outputs + bias, len(names), axis=-1)]
+      outputs = per_token(lambda tokens: tokens @ kernel + bias, inputs)
+      return [part.reshape(*part.shape[:2], self.num_heads, head_dim)
+              for part in jnp.split(outputs, len(names), axis=-1)]
 
     if num_query_tokens is None:
       query, key, value = project(x, ("query", "key", "value"))
