@@ -197,3 +197,23 @@ def test_softmax_matches_a_float64_reference_and_keeps_only_its_output():
   assert (scratch["ours"]
           <= scratch["jax.nn"] - (len(scales) - 1) * probabilities_bytes), (
               scratch)
+
+
+def test_row_max_is_jnp_max_without_xla_cpus_reduce_window():
+  """attention._row_max: jnp.max(x, -1, keepdims=True)'s values, infinities
+  and NaN included, and compiled for a row of 197 logits (ViT-Ti/16's
+  tokens) without the padded reduce-window XLA:CPU makes of jnp.max there
+  (the reason it exists)."""
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((2, 3, 4, 197)).astype(np.float32)
+  x[0, 0, 0, 5] = np.inf
+  x[0, 0, 1, :] = -np.inf
+  x[0, 1, 2, 7] = np.nan
+  x[1, 2, 3, 196] = 50.0  # the last element, beyond the 32-wide windows
+  np.testing.assert_array_equal(jax.jit(attention._row_max)(x),  # pylint: disable=protected-access
+                                np.max(x, -1, keepdims=True))
+  if jax.default_backend() == "cpu":
+    hlo = lambda fn: jax.jit(fn).lower(x).compile().as_text()
+    # The premise, with vit_jax's XLA flags (host.py: no YNNPACK fusions).
+    assert "reduce-window(" in hlo(lambda v: jnp.max(v, -1))
+    assert "reduce-window(" not in hlo(attention._row_max)  # pylint: disable=protected-access

@@ -88,6 +88,27 @@ def fused_implementation(requested: str, dtype: Any, head_dim: int, *,
   return requested
 
 
+def _row_max(x: jax.Array) -> jax.Array:
+  """max over the last axis, keepdims: the values of jnp.max(x, -1,
+  keepdims=True).
+
+  Why not jnp.max: XLA:CPU rewrites a reduction over more than 32 elements
+  into a padded reduce-window of 32-wide windows and a second reduce (for
+  the precision of long sums), and that reduce-window ran 4x slower than a
+  plain loop: 0.83 against 0.21 ms for the row maxima of a (16, 3, 197,
+  197) array on one core. It leaves reductions with several outputs alone,
+  so this computes the maximum twice in one reduction and keeps both.
+  """
+  axis = x.ndim - 1
+  init = jnp.array(-jnp.inf, x.dtype)
+  first, second = jax.lax.reduce(
+      (x, x), (init, init),
+      lambda a, b: (jnp.maximum(a[0], b[0]), jnp.maximum(a[1], b[1])),
+      (axis,))
+  # Both outputs used, or XLA drops one and the rewrite applies again.
+  return jnp.expand_dims(jnp.maximum(first, second), axis)
+
+
 @jax.custom_vjp
 def softmax(logits: jax.Array) -> jax.Array:
   """softmax over the last axis; its gradient keeps only the output.
@@ -105,7 +126,7 @@ def softmax(logits: jax.Array) -> jax.Array:
   from 511 to 432 MiB, at the same speed. Without differentiation it is
   jax.nn.softmax's arithmetic (one exp per logit).
   """
-  unnormalized = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+  unnormalized = jnp.exp(logits - _row_max(logits))
   return unnormalized / jnp.sum(unnormalized, axis=-1, keepdims=True)
 
 
@@ -113,7 +134,7 @@ def _softmax_forward(logits):
   # log(sum) after the shift: it is at most log(T), so rounding it costs
   # p as little as jax.nn.softmax's division (logsumexp itself would carry
   # the rounding of |max logit| into every exponent).
-  shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+  shifted = logits - _row_max(logits)
   log_sum = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
   probabilities = jnp.exp(shifted - log_sum)
   return probabilities, probabilities
