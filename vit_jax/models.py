@@ -247,7 +247,7 @@ class MultiHeadSelfAttention(nn.Module):
 
     if num_query_tokens is None:
       query, key, value = project(x, ("query", "key", "value"))
-    else:  # (B, Q, heads, head_dim) queries
+    else:  # only the first num_query_tokens tokens query
       (query,) = project(x[:, :num_query_tokens], ("query",))
       key, value = project(x, ("key", "value"))
     output = nn.DenseGeneral(
