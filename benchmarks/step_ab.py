@@ -22,7 +22,6 @@ where b_over_a_step is the median over pairs of B's step time over A's
 malloc (vit_jax/host.py).
 """
 
-import functools
 import json
 import statistics
 import sys
@@ -30,7 +29,6 @@ import time
 
 from absl import app, flags
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import throughput  # this folder's: the worker's model, dims and batch
@@ -66,11 +64,7 @@ def compile_variant(fields: dict, softmax: str, size: int, patch: int,
                                    **dict(throughput.DIMS, **fields))
   state = steps.create_train_state(model, (size, size, 3), optim.adamw(
       1e-3, weight_decay=0.05), 0, mesh)
-  step = jax.jit(functools.partial(
-      steps.train_step,
-      preprocess=lambda images, key: (images.astype(jnp.float32) - 127.5)
-      / 64.0, label_smoothing=0.0, learning_rate_fn=lambda step: 1e-3),
-                 donate_argnums=0)
+  step = throughput.jit_train_step()
   start = time.perf_counter()
   compiled = step.trace(state, images, labels).lower().compile()
   return compiled, state, time.perf_counter() - start

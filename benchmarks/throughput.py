@@ -81,10 +81,26 @@ def _peak_rss_mib() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def preprocess(images, key):
+  """uint8 images -> the float inputs the benchmark's models see."""
+  del key
+  return (images.astype(np.float32) - 127.5) / 64.0
+
+
+def jit_train_step():
+  """vit_jax's real train step as the benchmark runs it: AdamW's learning
+  rate fixed, no label smoothing, the state donated."""
+  import functools  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  from vit_jax import steps  # pylint: disable=import-outside-toplevel
+  return jax.jit(functools.partial(
+      steps.train_step, preprocess=preprocess, label_smoothing=0.0,
+      learning_rate_fn=lambda step: 1e-3), donate_argnums=0)
+
+
 def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
                patch_size=None, batch=None, num_layers=None) -> dict:
   """vit_jax's real train_step (or apply) on random data; returns metrics."""
-  import functools
   import jax
   import jax.numpy as jnp
   from vit_jax import models, optim, sharding, steps
@@ -110,15 +126,9 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
         (1, size, size, 3)))["params"], out_shardings=sharding.replicated(
             mesh))(jax.random.PRNGKey(0))
 
-  def preprocess(images, key):
-    del key
-    return (images.astype(jnp.float32) - 127.5) / 64.0
-
   start = time.perf_counter()
   if mode == "train":
-    step = jax.jit(functools.partial(
-        steps.train_step, preprocess=preprocess, label_smoothing=0.0,
-        learning_rate_fn=lambda step: 1e-3), donate_argnums=0)
+    step = jit_train_step()
     lowered = step.trace(state, images, labels).lower()
   else:
     step = jax.jit(lambda params, images: model.apply(
