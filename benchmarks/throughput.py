@@ -1,7 +1,7 @@
 r"""Training and inference speed of vit_jax against timm and torchvision.
 
   pip install -e '.[bench]'
-  python benchmarks/throughput.py            # ~9.5 minutes on 2 cores
+  python benchmarks/throughput.py            # 6-10 minutes on 2 cores
   python benchmarks/throughput.py --growth   # + cost growth, ~15 minutes
   python benchmarks/throughput.py --cpu_devices=0   # vit_jax on one device
 
@@ -25,9 +25,11 @@ pages for large blocks, and LD_PRELOAD of tcmalloc if it is installed, e.g.
 caller set those variables. They speed PyTorch up too, so the comparison is
 against the faster PyTorch.
 
-Prints one table (images/s, achieved GFLOP/s from XLA's FLOP count of the
-same model, % of the PyTorch GEMM rate measured in the same run, compile time
-(vit_jax's with its Python trace + lowering share in brackets), peak RSS),
+Prints the GEMM rates (and of a Dense layer's three products at ViT-Ti's
+widths, jax against torch), one table (images/s, achieved GFLOP/s from XLA's
+FLOP count of the same model, % of the PyTorch GEMM rate measured in the same
+run, compile time (vit_jax's with its Python trace + lowering share in
+brackets), peak RSS),
 with --growth the cost growth of vit_jax with image size and depth, and ends
 with
   summary: train_vs_timm=… infer_vs_timm=… train_gemm_fraction=… compile_s=…
@@ -58,6 +60,13 @@ MODELS = {
 DIMS = dict(hidden_size=192, num_layers=12, num_heads=3, mlp_dim=768)
 TORCH_IMPLS = ("timm", "timm+compile", "torchvision", "torchvision+compile")
 NUM_CLASSES = 10
+# The three products of every Dense layer in a train step: forward x.W,
+# input gradient dy.W^T, weight gradient x^T.dy. At ViT-Ti's widths XLA:CPU
+# runs the weight gradient ~20% below the other two (README, "Where the
+# train step's GEMM fraction goes").
+DENSE_PRODUCTS = ("x.W", "dy.W^T", "x^T.dy")
+DENSE_SHAPES = ((192, 576), (192, 192), (192, 768), (768, 192))  # (in, out)
+DENSE_ROWS = 32 * 197  # ViT-Ti/16 @224's train batch x tokens
 
 
 def worker_batch(model_name: str, mode: str, batch=None) -> int:
@@ -200,26 +209,69 @@ def torch_worker(impl: str, model_name: str, mode: str, steps: int) -> dict:
           "peak_rss_mib": _peak_rss_mib()}
 
 
-def gemm_worker(library: str) -> dict:
-  """fp32 GEMM rate: 2048^3 and the MLP's (8320x192)@(192x768) shape."""
+def dense_product_operands(product: str, rows: int, k: int, n: int):
+  """Shapes of (lhs, rhs, result) of `product` for a (k -> n) Dense layer
+  applied to `rows` rows."""
+  return {"x.W": ((rows, k), (k, n), (rows, n)),
+          "dy.W^T": ((rows, n), (k, n), (rows, k)),
+          "x^T.dy": ((rows, k), (rows, n), (k, n))}[product]
+
+
+def dense_product_fn(library: str, product: str):
+  """(lhs, rhs) -> the product, as the library's own autodiff writes it:
+  XLA's dot_general with its contracting dimensions, torch's transposes."""
+  if library == "jax":
+    import jax  # pylint: disable=import-outside-toplevel
+    from jax import lax  # pylint: disable=import-outside-toplevel
+    lhs_dim, rhs_dim = {"x.W": (1, 0), "dy.W^T": (1, 1),
+                        "x^T.dy": (0, 0)}[product]
+    return jax.jit(lambda a, b: lax.dot_general(
+        a, b, (((lhs_dim,), (rhs_dim,)), ((), ()))))
+  return {"x.W": lambda a, b: a @ b, "dy.W^T": lambda a, b: a @ b.T,
+          "x^T.dy": lambda a, b: a.T @ b}[product]
+
+
+def gemm_worker(library: str, rows: int = DENSE_ROWS) -> dict:
+  """fp32 GEMM rates, GFLOP/s: 2048^3, the MLP's (8320x192)@(192x768), and
+  each Dense product at ViT-Ti's widths (keys "x.W 6304x192x576" and so
+  on)."""
+  if library == "jax":
+    import vit_jax  # its XLA:CPU flags, as in the vit_jax workers
+    import jax
+    put, finish = jax.device_put, lambda result: result.block_until_ready()
+  else:
+    import torch
+    put, finish = torch.from_numpy, lambda result: result
+  cases = [("", 2048, 2048, 2048), ("", 8320, 192, 768)]
+  cases += [(product + " ", rows, k, n) for k, n in DENSE_SHAPES
+            for product in DENSE_PRODUCTS]
   rates = {}
-  for m, k, n in ((2048, 2048, 2048), (8320, 192, 768)):
-    a = np.random.rand(m, k).astype(np.float32)
-    b = np.random.rand(k, n).astype(np.float32)
-    if library == "jax":
-      import vit_jax  # its XLA:CPU flags, as in the vit_jax workers
-      import jax
-      a, b = jax.device_put(a), jax.device_put(b)
-      matmul = jax.jit(lambda x, y: x @ y)
-      run = lambda: matmul(a, b).block_until_ready()
-    else:
-      import torch
-      a, b = torch.from_numpy(a), torch.from_numpy(b)
-      run = lambda: a @ b
+  for prefix, m, k, n in cases:
+    product = prefix.strip() or "x.W"
+    lhs, rhs, _ = dense_product_operands(product, m, k, n)
+    a = put(np.random.rand(*lhs).astype(np.float32))
+    b = put(np.random.rand(*rhs).astype(np.float32))
+    fn = dense_product_fn(library, product)
+    run = lambda: finish(fn(a, b))
     run()
     best = min(_time_steps(run, 1) for _ in range(10))  # peak: least noise
-    rates[f"{m}x{k}x{n}"] = 2 * m * k * n / best / 1e9
+    rates[f"{prefix}{m}x{k}x{n}"] = 2 * m * k * n / best / 1e9
   return rates
+
+
+def dense_product_rates(rates: dict) -> dict:
+  """FLOP-weighted GFLOP/s of each Dense product over `DENSE_SHAPES`, from
+  a gemm worker's rates."""
+  result = {}
+  for product in DENSE_PRODUCTS:
+    flops = seconds = 0.0
+    for key, rate in rates.items():
+      if key.startswith(product + " "):
+        m, k, n = map(int, key.split()[1].split("x"))
+        flops += 2 * m * k * n
+        seconds += 2 * m * k * n / rate
+    result[product] = flops / seconds
+  return result
 
 
 def spawn(args: list[str], env: dict) -> dict:
@@ -341,6 +393,13 @@ def main():
         f"{gemm['torch']['8320x192x768']:.0f}, jax "
         f"{gemm['jax']['2048x2048x2048']:.0f} | "
         f"{gemm['jax']['8320x192x768']:.0f}")
+  dense = {lib: dense_product_rates(gemm[lib]) for lib in gemm}
+  print(f"A Dense layer's products at ViT-Ti's widths, {DENSE_ROWS} rows "
+        f"(GFLOP/s over {len(DENSE_SHAPES)} widths, jax / torch): " +
+        ", ".join(f"{product} {dense['jax'][product]:.0f} / "
+                  f"{dense['torch'][product]:.0f} "
+                  f"({dense['jax'][product] / dense['torch'][product]:.2f})"
+                  for product in DENSE_PRODUCTS))
   print(f"vit_jax's XLA flags (vit_jax/host.py): "
         f"{results[workloads[0] + ('vit_jax',)][0]['xla_flags']}")
   print(f"malloc, every worker: GLIBC_TUNABLES={env.get('GLIBC_TUNABLES', '')}"

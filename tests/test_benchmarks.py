@@ -1,11 +1,13 @@
 """The benchmark scripts run as documented and print their summary line."""
 
+import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,3 +155,50 @@ def test_step_ab_compares_two_softmaxes_in_one_process():
           >= probabilities_mib - 1), lines[-1]
   assert any(line.startswith("A: ") and "softmax=jax.nn" in line
              for line in lines)
+
+
+def _throughput_module():
+  spec = importlib.util.spec_from_file_location(
+      "throughput", os.path.join(ROOT, "benchmarks", "throughput.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_dense_products_are_a_dense_layers_forward_and_gradients():
+  """The GEMM worker's three products, in jax and in torch, are y = x.W and
+  the gradients of sum(y * dy) by x and W that autodiff computes, with the
+  operand and result shapes the worker allocates."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import torch  # pylint: disable=import-outside-toplevel
+  throughput = _throughput_module()
+  rows, k, n = 12, 5, 7
+  rng = np.random.default_rng(0)
+  x, w, dy = (rng.normal(size=shape).astype(np.float32)
+              for shape in ((rows, k), (k, n), (rows, n)))
+  dx, dw = jax.grad(lambda x, w: (x @ w * dy).sum(), argnums=(0, 1))(x, w)
+  expected = {"x.W": x @ w, "dy.W^T": dx, "x^T.dy": dw}
+  operands = {"x.W": (x, w), "dy.W^T": (dy, w), "x^T.dy": (x, dy)}
+  for product in throughput.DENSE_PRODUCTS:
+    lhs, rhs, result = throughput.dense_product_operands(product, rows, k, n)
+    assert (lhs, rhs) == tuple(a.shape for a in operands[product])
+    assert result == expected[product].shape
+    for library, put in (("jax", jax.numpy.asarray),
+                         ("torch", torch.from_numpy)):
+      got = throughput.dense_product_fn(library, product)(
+          *map(put, operands[product]))
+      np.testing.assert_allclose(np.asarray(got), expected[product],
+                                 rtol=1e-5, atol=1e-5, err_msg=library)
+
+
+def test_dense_product_rates_weigh_each_width_by_its_flops():
+  """Two widths at 100 and 300 GFLOP/s, the second 3x the FLOPs: the
+  product's rate is total FLOPs over total time, 1.5e9 x (1 + 3) /
+  (1.5e9 / 100 + 4.5e9 / 300) = 200."""
+  throughput = _throughput_module()
+  rates = {"x.W 1000x500x1500": 100.0, "x.W 1000x1500x1500": 300.0,
+           "2048x2048x2048": 1.0}  # not a Dense product: not counted
+  rates.update({f"{p} 10x10x10": 50.0 for p in ("dy.W^T", "x^T.dy")})
+  result = throughput.dense_product_rates(rates)
+  assert result["x.W"] == pytest.approx(200.0)
+  assert result["dy.W^T"] == pytest.approx(50.0)
