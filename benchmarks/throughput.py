@@ -231,7 +231,7 @@ def dense_product_fn(library: str, product: str):
           "x^T.dy": lambda a, b: a.T @ b}[product]
 
 
-def gemm_worker(library: str, rows: int = DENSE_ROWS) -> dict:
+def gemm_worker(library: str) -> dict:
   """fp32 GEMM rates, GFLOP/s: 2048^3, the MLP's (8320x192)@(192x768), and
   each Dense product at ViT-Ti's widths (keys "x.W 6304x192x576" and so
   on)."""
@@ -242,12 +242,12 @@ def gemm_worker(library: str, rows: int = DENSE_ROWS) -> dict:
   else:
     import torch
     put, finish = torch.from_numpy, lambda result: result
-  cases = [("", 2048, 2048, 2048), ("", 8320, 192, 768)]
-  cases += [(product + " ", rows, k, n) for k, n in DENSE_SHAPES
-            for product in DENSE_PRODUCTS]
+  cases = [("x.W", 2048, 2048, 2048, "2048x2048x2048"),
+           ("x.W", 8320, 192, 768, "8320x192x768")]
+  cases += [(product, DENSE_ROWS, k, n, f"{product} {DENSE_ROWS}x{k}x{n}")
+            for k, n in DENSE_SHAPES for product in DENSE_PRODUCTS]
   rates = {}
-  for prefix, m, k, n in cases:
-    product = prefix.strip() or "x.W"
+  for product, m, k, n, key in cases:
     lhs, rhs, _ = dense_product_operands(product, m, k, n)
     a = put(np.random.rand(*lhs).astype(np.float32))
     b = put(np.random.rand(*rhs).astype(np.float32))
@@ -255,7 +255,7 @@ def gemm_worker(library: str, rows: int = DENSE_ROWS) -> dict:
     run = lambda: finish(fn(a, b))
     run()
     best = min(_time_steps(run, 1) for _ in range(10))  # peak: least noise
-    rates[f"{prefix}{m}x{k}x{n}"] = 2 * m * k * n / best / 1e9
+    rates[key] = 2 * m * k * n / best / 1e9
   return rates
 
 
