@@ -62,8 +62,9 @@ TORCH_IMPLS = ("timm", "timm+compile", "torchvision", "torchvision+compile")
 NUM_CLASSES = 10
 # The three products of every Dense layer in a train step: forward x.W,
 # input gradient dy.W^T, weight gradient x^T.dy. At ViT-Ti's widths XLA:CPU
-# runs the weight gradient ~20% below the other two (README, "Where the
-# train step's GEMM fraction goes").
+# ran the weight gradient ~20% below the other two as JAX's autodiff writes
+# it, and ~10% below as vit_jax computes it (`matmuls.kernel_gradient`;
+# README, "Where the train step's GEMM fraction goes").
 DENSE_PRODUCTS = ("x.W", "dy.W^T", "x^T.dy")
 DENSE_SHAPES = ((192, 576), (192, 192), (192, 768), (768, 192))  # (in, out)
 DENSE_ROWS = 32 * 197  # ViT-Ti/16 @224's train batch x tokens
@@ -218,13 +219,17 @@ def dense_product_operands(product: str, rows: int, k: int, n: int):
 
 
 def dense_product_fn(library: str, product: str):
-  """(lhs, rhs) -> the product, as the library's own autodiff writes it:
-  XLA's dot_general with its contracting dimensions, torch's transposes."""
+  """(lhs, rhs) -> the product, as the library's train step computes it:
+  for jax, XLA's dot_general with its contracting dimensions, and the
+  weight gradient as vit_jax's Dense layers do (`matmuls.kernel_gradient`);
+  for torch, its autodiff's transposes."""
   if library == "jax":
     import jax  # pylint: disable=import-outside-toplevel
     from jax import lax  # pylint: disable=import-outside-toplevel
-    lhs_dim, rhs_dim = {"x.W": (1, 0), "dy.W^T": (1, 1),
-                        "x^T.dy": (0, 0)}[product]
+    from vit_jax import matmuls  # pylint: disable=import-outside-toplevel
+    if product == "x^T.dy":
+      return jax.jit(matmuls.kernel_gradient)
+    lhs_dim, rhs_dim = {"x.W": (1, 0), "dy.W^T": (1, 1)}[product]
     return jax.jit(lambda a, b: lax.dot_general(
         a, b, (((lhs_dim,), (rhs_dim,)), ((), ()))))
   return {"x.W": lambda a, b: a @ b, "dy.W^T": lambda a, b: a @ b.T,

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vit_jax import attention
+from vit_jax import attention, matmuls
 
 Dtype = Any
 CLASSIFIERS = ("token", "gap")
@@ -54,77 +54,11 @@ def per_token(layer, x: jax.Array) -> jax.Array:
   return y.reshape(batch, num_tokens, *y.shape[1:])
 
 
-def tie_to_gradient(x: jax.Array, output_grad: jax.Array) -> jax.Array:
-  """x's values, but computable only once the backward pass has reached
-  output_grad: x + 0 * (output_grad's first element in each row). Both
-  have the same leading (batch or token) axis.
-
-  Why: a recomputation in a custom backward pass is the same expression as
-  the forward pass's original; XLA merges the two (common subexpressions)
-  and keeps the original alive from the forward pass, which is what the
-  recomputation was to avoid. XLA:CPU drops optimization barriers, so only
-  a data dependence keeps them apart. One element per row, not one in all:
-  rows stay on the device that holds them when the batch is split.
-  """
-  rest = output_grad.ndim - 1
-  first = output_grad[(slice(None),) + (slice(0, 1),) * rest]
-  first = first.reshape((x.shape[0],) + (1,) * (x.ndim - 1))
-  return x + (first * 0).astype(x.dtype)
-
-
-def _gelu_then_dot(x, kernel, dimension_numbers, precision,
-                   preferred_element_type, approximate):
-  return jax.lax.dot_general(
-      nn.gelu(x, approximate=approximate), kernel, dimension_numbers,
-      precision=precision, preferred_element_type=preferred_element_type)
-
-
-_gelu_dot = jax.custom_vjp(_gelu_then_dot, nondiff_argnums=(2, 3, 4, 5))
-
-
-def _gelu_dot_forward(x, kernel, dimension_numbers, precision,
-                      preferred_element_type, approximate):
-  return _gelu_then_dot(x, kernel, dimension_numbers, precision,
-                        preferred_element_type, approximate), (x, kernel)
-
-
-def _gelu_dot_backward(dimension_numbers, precision, preferred_element_type,
-                       approximate, residuals, output_grad):
-  x, kernel = residuals
-  x = tie_to_gradient(x, output_grad)
-  _, vjp = jax.vjp(functools.partial(
-      _gelu_then_dot, dimension_numbers=dimension_numbers,
-      precision=precision, preferred_element_type=preferred_element_type,
-      approximate=approximate), x, kernel)
-  return vjp(output_grad)
-
-
-_gelu_dot.defvjp(_gelu_dot_forward, _gelu_dot_backward)
-
-
-def gelu_dot_general(approximate: bool = True) -> Callable[..., jax.Array]:
-  """A `dot_general` for `nn.Dense` that applies GELU to its input first.
-
-  dot_general(x, kernel, ...) = lax.dot_general(gelu(x), kernel, ...), the
-  same values and gradients, but the backward pass keeps only x and
-  recomputes gelu(x) and its derivative from it. Why: autodiff keeps the
-  GELU's output and its tanh for the backward pass, two more (B*T,
-  mlp_dim) arrays per block; in a vit_tiny_cifar train step (batch 128)
-  they were a third of XLA's scratch memory (1,617 -> 1,087 MB without
-  them). The recomputation is one elementwise pass over x per block.
-  """
-  def dot_general(x, kernel, dimension_numbers, precision=None,
-                  preferred_element_type=None):
-    return _gelu_dot(x, kernel, dimension_numbers, precision,
-                     preferred_element_type, approximate)
-  return dot_general
-
-
 class MlpBlock(nn.Module):
   """Dense -> GELU -> dropout -> Dense -> dropout. (..., D) -> (..., D).
 
   Without dropout between them (rate 0, or at evaluation) the GELU runs
-  inside the second Dense's `gelu_dot_general`, which recomputes it in the
+  inside the second Dense's `matmuls.gelu_dot_general`, which recomputes it in the
   backward pass instead of storing it: the same values, less memory.
   """
   mlp_dim: int
@@ -140,14 +74,15 @@ class MlpBlock(nn.Module):
         features, dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=nn.initializers.xavier_uniform(),
         bias_init=nn.initializers.normal(stddev=1e-6), name=name, **kwargs)
-    x = dense(self.mlp_dim, "Dense_0")(x)
+    x = dense(self.mlp_dim, "Dense_0",
+              dot_general=matmuls.dense_dot_general)(x)
     if deterministic or self.dropout_rate == 0.0:
-      x = dense(out_dim, "Dense_1", dot_general=gelu_dot_general(
+      x = dense(out_dim, "Dense_1", dot_general=matmuls.gelu_dot_general(
           self.approximate_gelu))(x)
     else:
       x = nn.gelu(x, approximate=self.approximate_gelu)
       x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
-      x = dense(out_dim, "Dense_1")(x)
+      x = dense(out_dim, "Dense_1", dot_general=matmuls.dense_dot_general)(x)
     return nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
 
 
@@ -239,7 +174,8 @@ class MultiHeadSelfAttention(nn.Module):
       bias = jnp.concatenate([projections[n][1] for n in names])
       inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias,
                                                      dtype=self.dtype)
-      outputs = per_token(lambda tokens: tokens @ kernel + bias, inputs)
+      outputs = per_token(lambda tokens: matmuls.dense_dot_general(
+          tokens, kernel, (((1,), (0,)), ((), ()))) + bias, inputs)
       outputs = outputs.reshape(*outputs.shape[:2], len(names),
                                 self.num_heads, head_dim)
       order = (2, 0, 1, 3, 4) if fused is not None else (2, 0, 3, 1, 4)
@@ -253,7 +189,8 @@ class MultiHeadSelfAttention(nn.Module):
     output = nn.DenseGeneral(
         hidden_size, axis=(-2, -1), dtype=self.dtype,
         param_dtype=self.param_dtype,
-        kernel_init=nn.initializers.xavier_uniform(), name="out")
+        kernel_init=nn.initializers.xavier_uniform(),
+        dot_general=matmuls.dense_dot_general, name="out")
 
     if fused is not None:
       return per_token(output, jax.nn.dot_product_attention(
@@ -334,7 +271,7 @@ def _rematerialized_forward(block, params, x, rate, key, deterministic,
 def _rematerialized_backward(block, deterministic, num_query_tokens,
                              inputs, output_grad):
   params, x, rate, key, drop_path_uniforms = inputs
-  x = tie_to_gradient(x, output_grad)
+  x = matmuls.tie_to_gradient(x, output_grad)
   _, vjp = jax.vjp(lambda params, x: _apply_block(
       block, params, x, rate, key, deterministic, num_query_tokens,
       drop_path_uniforms), params, x)
@@ -356,8 +293,9 @@ def block_function(remat: bool, scanned: bool) -> Callable[..., jax.Array]:
 
   Remat inside a scan is `jax.checkpoint` (each iteration's recomputation
   is tied to it); outside, `_apply_block_rematerialized`, whose backward
-  pass ties the recomputation to the output gradient (`tie_to_gradient`):
-  `jax.checkpoint` there saved no memory under XLA:CPU.
+  pass ties the recomputation to the output gradient
+  (`matmuls.tie_to_gradient`): `jax.checkpoint` there saved no memory
+  under XLA:CPU.
 
   Why jit: the blocks of a ViT share their shapes, so jit's trace cache
   traces (and lowers) one block and reuses it for the others, and for the
