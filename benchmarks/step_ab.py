@@ -3,6 +3,7 @@ r"""Two variants of vit_jax's train step, side by side in one process.
   python benchmarks/step_ab.py --b='{"attention_implementation": "xla"}'
   python benchmarks/step_ab.py --model=vit_tiny_cifar --a_softmax=jax.nn
   python benchmarks/step_ab.py --cpu_devices=0 --pairs=20
+  python benchmarks/step_ab.py --a_kernel_gradient=jax --pairs=20
 
 Compiles the train step of benchmarks/throughput.py's vit_jax worker (same
 dims, batch, AdamW, a device per core unless --cpu_devices says otherwise)
@@ -13,6 +14,10 @@ machines; alternating steps in one process see the same machine state, so a
 difference of a few percent shows. --a_softmax / --b_softmax pick the
 einsum attention's softmax: "ours" (`attention.softmax`, which keeps only
 its output for the backward pass) or "jax.nn" (`jax.nn.softmax`).
+--a_kernel_gradient / --b_kernel_gradient pick how the Dense layers'
+backward pass computes the kernels' gradients: "ours"
+(`matmuls.kernel_gradient`, the narrower side as the product's rows) or
+"jax" (output_grad^T @ inputs, transposed, as JAX's transpose rule does).
 
 Prints each variant's XLA scratch (temp) per device, compile seconds and
 median step, then
@@ -32,9 +37,18 @@ import jax
 import numpy as np
 
 import throughput  # this folder's: the worker's model, dims and batch
-from vit_jax import attention, host, models, optim, sharding, steps
+from vit_jax import attention, host, matmuls, models, optim, sharding, steps
 
 OUR_SOFTMAX = attention.softmax
+OUR_KERNEL_GRADIENT = matmuls.kernel_gradient
+
+
+def jax_kernel_gradient(inputs, output_grad, precision=None):
+  """inputs^T @ output_grad the way JAX's transpose of a matmul writes it:
+  output_grad^T @ inputs, transposed."""
+  return jax.lax.dot_general(output_grad.astype(inputs.dtype), inputs,
+                             (((0,), (0,)), ((), ())),
+                             precision=precision).T
 
 _MODEL = flags.DEFINE_enum("model", "ViT-Ti/16@224",
                            ["ViT-Ti/16@224", "vit_tiny_cifar"],
@@ -45,19 +59,27 @@ _A_SOFTMAX = flags.DEFINE_enum("a_softmax", "ours", ["ours", "jax.nn"],
                                "Variant A's attention softmax.")
 _B_SOFTMAX = flags.DEFINE_enum("b_softmax", "ours", ["ours", "jax.nn"],
                                "Variant B's attention softmax.")
+_A_KERNEL_GRADIENT = flags.DEFINE_enum(
+    "a_kernel_gradient", "ours", ["ours", "jax"],
+    "Variant A's Dense kernel gradients.")
+_B_KERNEL_GRADIENT = flags.DEFINE_enum(
+    "b_kernel_gradient", "ours", ["ours", "jax"],
+    "Variant B's Dense kernel gradients.")
 _PAIRS = flags.DEFINE_integer("pairs", 14, "Timed steps of each variant.")
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", -1, "config.cpu_devices: -1 a device per core, 0 one.")
 
 
-def compile_variant(fields: dict, softmax: str, size: int, patch: int,
-                    images, labels, mesh):
+def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
+                    size: int, patch: int, images, labels, mesh):
   """(compiled train step, its train state, seconds of trace + lowering +
   compilation) for one variant."""
-  # The blocks are traced once and cached by jit: a new softmax needs a
-  # new trace.
+  # The blocks are traced once and cached by jit: a new softmax or kernel
+  # gradient needs a new trace.
   attention.softmax = (OUR_SOFTMAX if softmax == "ours"
                        else lambda logits: jax.nn.softmax(logits, axis=-1))
+  matmuls.kernel_gradient = (OUR_KERNEL_GRADIENT if kernel_gradient == "ours"
+                             else jax_kernel_gradient)
   jax.clear_caches()
   model = models.VisionTransformer(num_classes=throughput.NUM_CLASSES,
                                    patch_size=patch,
@@ -82,10 +104,12 @@ def main(argv):
        rng.integers(0, throughput.NUM_CLASSES, batch).astype(np.int32)),
       sharding.batch_sharded(mesh))
   variants = {}
-  for name, fields, softmax in (("A", _A.value, _A_SOFTMAX.value),
-                                ("B", _B.value, _B_SOFTMAX.value)):
+  settings = {"A": (_A.value, _A_SOFTMAX.value, _A_KERNEL_GRADIENT.value),
+              "B": (_B.value, _B_SOFTMAX.value, _B_KERNEL_GRADIENT.value)}
+  for name, (fields, softmax, kernel_gradient) in settings.items():
     compiled, state, compile_s = compile_variant(
-        json.loads(fields), softmax, size, patch, images, labels, mesh)
+        json.loads(fields), softmax, kernel_gradient, size, patch, images,
+        labels, mesh)
     variants[name] = dict(compiled=compiled, state=state,
                           compile_s=compile_s, times=[],
                           temp_mib=compiled.memory_analysis()
@@ -108,9 +132,9 @@ def main(argv):
   print(f"\nCommand: python benchmarks/step_ab.py {' '.join(sys.argv[1:])}")
   print(f"{_MODEL.value}, batch {batch}, {len(jax.devices())} device(s)")
   for name, variant in variants.items():
-    fields = _A.value if name == "A" else _B.value
-    softmax = _A_SOFTMAX.value if name == "A" else _B_SOFTMAX.value
-    print(f"{name}: {fields} softmax={softmax}: median step "
+    fields, softmax, kernel_gradient = settings[name]
+    print(f"{name}: {fields} softmax={softmax} kernel_gradient="
+          f"{kernel_gradient}: median step "
           f"{statistics.median(variant['times']):.3f} s, scratch "
           f"{variant['temp_mib']:.0f} MiB per device, compile "
           f"{variant['compile_s']:.1f} s")

@@ -157,6 +157,26 @@ def test_step_ab_compares_two_softmaxes_in_one_process():
              for line in lines)
 
 
+def test_step_ab_kernel_gradients_agree():
+  """step_ab's "jax" kernel gradient (JAX's transpose-rule orientation)
+  and vit_jax's give the same inputs^T @ output_grad, narrow and wide."""
+  import jax  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  try:
+    import step_ab  # pylint: disable=import-outside-toplevel
+  finally:
+    sys.path.pop(0)
+  from vit_jax import matmuls  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  for depth, width in ((6, 20), (20, 6)):
+    inputs = rng.normal(size=(30, depth)).astype(np.float32)
+    output_grad = rng.normal(size=(30, width)).astype(np.float32)
+    expected = inputs.astype(np.float64).T @ output_grad
+    for fn in (step_ab.jax_kernel_gradient, matmuls.kernel_gradient):
+      np.testing.assert_allclose(jax.jit(fn)(inputs, output_grad), expected,
+                                 rtol=1e-5, atol=1e-5)
+
+
 def _throughput_module():
   spec = importlib.util.spec_from_file_location(
       "throughput", os.path.join(ROOT, "benchmarks", "throughput.py"))
