@@ -58,8 +58,9 @@ class MlpBlock(nn.Module):
   """Dense -> GELU -> dropout -> Dense -> dropout. (..., D) -> (..., D).
 
   Without dropout between them (rate 0, or at evaluation) the GELU runs
-  inside the second Dense's `matmuls.gelu_dot_general`, which recomputes it in the
-  backward pass instead of storing it: the same values, less memory.
+  inside the second Dense's `matmuls.gelu_dot_general`, which recomputes
+  it in the backward pass instead of storing it: the same values, less
+  memory.
   """
   mlp_dim: int
   dropout_rate: float = 0.0
@@ -70,19 +71,19 @@ class MlpBlock(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
     out_dim = x.shape[-1]
-    dense = lambda features, name, **kwargs: nn.Dense(
-        features, dtype=self.dtype, param_dtype=self.param_dtype,
-        kernel_init=nn.initializers.xavier_uniform(),
-        bias_init=nn.initializers.normal(stddev=1e-6), name=name, **kwargs)
-    x = dense(self.mlp_dim, "Dense_0",
-              dot_general=matmuls.dense_dot_general)(x)
+    dense = lambda features, name, dot_general=matmuls.dense_dot_general: (
+        nn.Dense(features, dtype=self.dtype, param_dtype=self.param_dtype,
+                 kernel_init=nn.initializers.xavier_uniform(),
+                 bias_init=nn.initializers.normal(stddev=1e-6),
+                 dot_general=dot_general, name=name))
+    x = dense(self.mlp_dim, "Dense_0")(x)
     if deterministic or self.dropout_rate == 0.0:
-      x = dense(out_dim, "Dense_1", dot_general=matmuls.gelu_dot_general(
+      x = dense(out_dim, "Dense_1", matmuls.gelu_dot_general(
           self.approximate_gelu))(x)
     else:
       x = nn.gelu(x, approximate=self.approximate_gelu)
       x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
-      x = dense(out_dim, "Dense_1", dot_general=matmuls.dense_dot_general)(x)
+      x = dense(out_dim, "Dense_1")(x)
     return nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
 
 
