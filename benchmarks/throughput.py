@@ -62,9 +62,11 @@ TORCH_IMPLS = ("timm", "timm+compile", "torchvision", "torchvision+compile")
 NUM_CLASSES = 10
 # The three products of every Dense layer in a train step: forward x.W,
 # input gradient dy.W^T, weight gradient x^T.dy. At ViT-Ti's widths XLA:CPU
-# ran the weight gradient ~20% below the other two as JAX's autodiff writes
-# it, and ~10% below as vit_jax computes it (`matmuls.kernel_gradient`;
-# README, "Where the train step's GEMM fraction goes").
+# runs the weight gradient ~20% below the other two. Here it is a jitted
+# product on its own, so XLA turns (768, 192) round to the slow orientation
+# whichever way `matmuls.kernel_gradient` writes it; in the data-parallel
+# train step it keeps the fast one (README, "The kernels' gradients the
+# narrow way round").
 DENSE_PRODUCTS = ("x.W", "dy.W^T", "x^T.dy")
 DENSE_SHAPES = ((192, 576), (192, 192), (192, 768), (768, 192))  # (in, out)
 DENSE_ROWS = 32 * 197  # ViT-Ti/16 @224's train batch x tokens
