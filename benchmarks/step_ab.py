@@ -4,6 +4,7 @@ r"""Two variants of vit_jax's train step, side by side in one process.
   python benchmarks/step_ab.py --model=vit_tiny_cifar --a_softmax=jax.nn
   python benchmarks/step_ab.py --cpu_devices=0 --pairs=20
   python benchmarks/step_ab.py --a_kernel_gradient=jax --pairs=20
+  python benchmarks/step_ab.py --b_attention_core=elementwise
 
 Compiles the train step of benchmarks/throughput.py's vit_jax worker (same
 dims, batch, AdamW, a device per core unless --cpu_devices says otherwise)
@@ -18,6 +19,11 @@ its output for the backward pass) or "jax.nn" (`jax.nn.softmax`).
 backward pass computes the kernels' gradients: "ours"
 (`matmuls.kernel_gradient`, the narrower side as the product's rows) or
 "jax" (output_grad^T @ inputs, transposed, as JAX's transpose rule does).
+--a_attention_core / --b_attention_core pick the attention core (the
+logits product, the softmax and the weighted sum of values): "xla", the
+model's, or "elementwise", q * k + v in its place (`elementwise_core`), the
+projections and their gradients kept: what the step would take with a core
+that cost nothing, the most a faster attention kernel could win.
 
 Prints each variant's XLA scratch (temp) per device, compile seconds and
 median step, then
@@ -27,6 +33,7 @@ where b_over_a_step is the median over pairs of B's step time over A's
 malloc (vit_jax/host.py).
 """
 
+import contextlib
 import json
 import statistics
 import sys
@@ -34,6 +41,7 @@ import time
 
 from absl import app, flags
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import throughput  # this folder's: the worker's model, dims and batch
@@ -41,6 +49,8 @@ from vit_jax import attention, host, matmuls, models, optim, sharding, steps
 
 OUR_SOFTMAX = attention.softmax
 OUR_KERNEL_GRADIENT = matmuls.kernel_gradient
+# The attention core's two products in models.MultiHeadSelfAttention.
+LOGITS_SPEC, WEIGHTED_SUM_SPEC = "bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"
 
 
 def jax_kernel_gradient(inputs, output_grad, precision=None):
@@ -49,6 +59,44 @@ def jax_kernel_gradient(inputs, output_grad, precision=None):
   return jax.lax.dot_general(output_grad.astype(inputs.dtype), inputs,
                              (((0,), (0,)), ((), ())),
                              precision=precision).T
+
+
+@contextlib.contextmanager
+def elementwise_core():
+  """While active (around tracing), the model's attention core is q * k + v.
+
+  jnp.einsum passes every other contraction through; the logits product
+  returns the queries, the softmax is the identity, and the weighted sum
+  returns queries * keys + values (for the queries' tokens), so no
+  (B, heads, T, T) array or batched matmul is left while q, k and v and
+  their gradients are. Only a measuring device: the outputs are not
+  attention.
+  """
+  real_einsum, real_softmax = jnp.einsum, attention.softmax
+  keys = []  # the logits product's keys, for the weighted sum after it
+
+  def einsum(spec, *operands, **kwargs):
+    if spec == LOGITS_SPEC:
+      query, key = operands
+      keys.append(key)
+      return query
+    if spec == WEIGHTED_SUM_SPEC:
+      query, value = operands
+      num_queries = query.shape[2]
+      return (query * keys.pop()[:, :, :num_queries]
+              + value[:, :, :num_queries])
+    return real_einsum(spec, *operands, **kwargs)
+
+  # jit caches traced blocks: none traced before may serve inside, and
+  # none traced inside may serve after.
+  jax.clear_caches()
+  jnp.einsum, attention.softmax = einsum, lambda logits: logits
+  try:
+    yield
+  finally:
+    jnp.einsum, attention.softmax = real_einsum, real_softmax
+    jax.clear_caches()
+
 
 _MODEL = flags.DEFINE_enum("model", "ViT-Ti/16@224",
                            ["ViT-Ti/16@224", "vit_tiny_cifar"],
@@ -65,13 +113,20 @@ _A_KERNEL_GRADIENT = flags.DEFINE_enum(
 _B_KERNEL_GRADIENT = flags.DEFINE_enum(
     "b_kernel_gradient", "ours", ["ours", "jax"],
     "Variant B's Dense kernel gradients.")
+_A_ATTENTION_CORE = flags.DEFINE_enum(
+    "a_attention_core", "xla", ["xla", "elementwise"],
+    "Variant A's attention core.")
+_B_ATTENTION_CORE = flags.DEFINE_enum(
+    "b_attention_core", "xla", ["xla", "elementwise"],
+    "Variant B's attention core.")
 _PAIRS = flags.DEFINE_integer("pairs", 14, "Timed steps of each variant.")
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", -1, "config.cpu_devices: -1 a device per core, 0 one.")
 
 
 def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
-                    size: int, patch: int, images, labels, mesh):
+                    attention_core: str, size: int, patch: int, images,
+                    labels, mesh):
   """(compiled train step, its train state, seconds of trace + lowering +
   compilation) for one variant."""
   # The blocks are traced once and cached by jit: a new softmax or kernel
@@ -88,7 +143,10 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
       1e-3, weight_decay=0.05), 0, mesh)
   step = throughput.jit_train_step()
   start = time.perf_counter()
-  compiled = step.trace(state, images, labels).lower().compile()
+  with (elementwise_core() if attention_core == "elementwise"
+        else contextlib.nullcontext()):
+    lowered = step.trace(state, images, labels).lower()
+  compiled = lowered.compile()
   return compiled, state, time.perf_counter() - start
 
 
@@ -104,12 +162,15 @@ def main(argv):
        rng.integers(0, throughput.NUM_CLASSES, batch).astype(np.int32)),
       sharding.batch_sharded(mesh))
   variants = {}
-  settings = {"A": (_A.value, _A_SOFTMAX.value, _A_KERNEL_GRADIENT.value),
-              "B": (_B.value, _B_SOFTMAX.value, _B_KERNEL_GRADIENT.value)}
-  for name, (fields, softmax, kernel_gradient) in settings.items():
+  settings = {"A": (_A.value, _A_SOFTMAX.value, _A_KERNEL_GRADIENT.value,
+                    _A_ATTENTION_CORE.value),
+              "B": (_B.value, _B_SOFTMAX.value, _B_KERNEL_GRADIENT.value,
+                    _B_ATTENTION_CORE.value)}
+  for name, (fields, softmax, kernel_gradient,
+             attention_core) in settings.items():
     compiled, state, compile_s = compile_variant(
-        json.loads(fields), softmax, kernel_gradient, size, patch, images,
-        labels, mesh)
+        json.loads(fields), softmax, kernel_gradient, attention_core, size,
+        patch, images, labels, mesh)
     variants[name] = dict(compiled=compiled, state=state,
                           compile_s=compile_s, times=[],
                           temp_mib=compiled.memory_analysis()
@@ -132,9 +193,9 @@ def main(argv):
   print(f"\nCommand: python benchmarks/step_ab.py {' '.join(sys.argv[1:])}")
   print(f"{_MODEL.value}, batch {batch}, {len(jax.devices())} device(s)")
   for name, variant in variants.items():
-    fields, softmax, kernel_gradient = settings[name]
+    fields, softmax, kernel_gradient, attention_core = settings[name]
     print(f"{name}: {fields} softmax={softmax} kernel_gradient="
-          f"{kernel_gradient}: median step "
+          f"{kernel_gradient} attention_core={attention_core}: median step "
           f"{statistics.median(variant['times']):.3f} s, scratch "
           f"{variant['temp_mib']:.0f} MiB per device, compile "
           f"{variant['compile_s']:.1f} s")

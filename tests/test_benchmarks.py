@@ -177,6 +177,36 @@ def test_step_ab_kernel_gradients_agree():
                                  rtol=1e-5, atol=1e-5)
 
 
+def test_step_ab_elementwise_core_takes_the_attention_core_out():
+  """step_ab's elementwise attention core: while it is active a ViT's
+  gradient traces without the core's (B, heads, T, T) arrays and other
+  einsums are the real ones; before and after, the core is there."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  try:
+    import step_ab  # pylint: disable=import-outside-toplevel
+  finally:
+    sys.path.pop(0)
+  from vit_jax import models  # pylint: disable=import-outside-toplevel
+  model = models.VisionTransformer(num_classes=3, patch_size=4, hidden_size=12,
+                                   num_layers=2, num_heads=2, mlp_dim=24)
+  images = jnp.ones((2, 16, 16, 3))  # 16 patches + the class token
+  params = model.init(jax.random.PRNGKey(0), images)["params"]
+  loss = lambda params: model.apply({"params": params}, images).sum()
+  core_shape = "2x2x17x17xf32"  # (B, heads, T, T)
+
+  def program() -> str:
+    return jax.jit(jax.grad(loss)).lower(params).as_text()
+
+  assert core_shape in program()
+  with step_ab.elementwise_core():
+    assert core_shape not in program()
+    lhs, rhs = np.arange(6.0).reshape(2, 3), np.arange(12.0).reshape(3, 4)
+    np.testing.assert_allclose(jnp.einsum("ij,jk->ik", lhs, rhs), lhs @ rhs)
+  assert core_shape in program()
+
+
 def _throughput_module():
   spec = importlib.util.spec_from_file_location(
       "throughput", os.path.join(ROOT, "benchmarks", "throughput.py"))
