@@ -103,22 +103,22 @@ _MODEL = flags.DEFINE_enum("model", "ViT-Ti/16@224",
                            "Workload, as in benchmarks/throughput.py.")
 _A = flags.DEFINE_string("a", "{}", "Variant A's model fields (JSON).")
 _B = flags.DEFINE_string("b", "{}", "Variant B's model fields (JSON).")
-_A_SOFTMAX = flags.DEFINE_enum("a_softmax", "ours", ["ours", "jax.nn"],
-                               "Variant A's attention softmax.")
-_B_SOFTMAX = flags.DEFINE_enum("b_softmax", "ours", ["ours", "jax.nn"],
-                               "Variant B's attention softmax.")
-_A_KERNEL_GRADIENT = flags.DEFINE_enum(
-    "a_kernel_gradient", "ours", ["ours", "jax"],
-    "Variant A's Dense kernel gradients.")
-_B_KERNEL_GRADIENT = flags.DEFINE_enum(
-    "b_kernel_gradient", "ours", ["ours", "jax"],
-    "Variant B's Dense kernel gradients.")
-_A_ATTENTION_CORE = flags.DEFINE_enum(
-    "a_attention_core", "xla", ["xla", "elementwise"],
-    "Variant A's attention core.")
-_B_ATTENTION_CORE = flags.DEFINE_enum(
-    "b_attention_core", "xla", ["xla", "elementwise"],
-    "Variant B's attention core.")
+
+
+def _define_per_variant(name: str, choices: list[str], what: str) -> dict:
+  """--a_<name> and --b_<name>, defaulting to choices[0]: {"A": flag,
+  "B": flag}."""
+  return {variant: flags.DEFINE_enum(f"{variant.lower()}_{name}", choices[0],
+                                     choices, f"Variant {variant}'s {what}.")
+          for variant in "AB"}
+
+
+_SOFTMAX = _define_per_variant("softmax", ["ours", "jax.nn"],
+                               "attention softmax")
+_KERNEL_GRADIENT = _define_per_variant("kernel_gradient", ["ours", "jax"],
+                                       "Dense kernel gradients")
+_ATTENTION_CORE = _define_per_variant("attention_core", ["xla", "elementwise"],
+                                      "attention core")
 _PAIRS = flags.DEFINE_integer("pairs", 14, "Timed steps of each variant.")
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", -1, "config.cpu_devices: -1 a device per core, 0 one.")
@@ -162,10 +162,10 @@ def main(argv):
        rng.integers(0, throughput.NUM_CLASSES, batch).astype(np.int32)),
       sharding.batch_sharded(mesh))
   variants = {}
-  settings = {"A": (_A.value, _A_SOFTMAX.value, _A_KERNEL_GRADIENT.value,
-                    _A_ATTENTION_CORE.value),
-              "B": (_B.value, _B_SOFTMAX.value, _B_KERNEL_GRADIENT.value,
-                    _B_ATTENTION_CORE.value)}
+  settings = {name: (fields.value, _SOFTMAX[name].value,
+                     _KERNEL_GRADIENT[name].value,
+                     _ATTENTION_CORE[name].value)
+              for name, fields in (("A", _A), ("B", _B))}
   for name, (fields, softmax, kernel_gradient,
              attention_core) in settings.items():
     compiled, state, compile_s = compile_variant(
