@@ -93,18 +93,20 @@ def _matmul_backward(inputs, kernel, output_grad, num_contracted, precision):
           kernel_grad.reshape(kernel.shape).astype(kernel.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _matmul(inputs, kernel, dimension_numbers, precision,
-            preferred_element_type):
+def _dot(inputs, kernel, dimension_numbers, precision,
+         preferred_element_type):
   return jax.lax.dot_general(inputs, kernel, dimension_numbers,
                              precision=precision,
                              preferred_element_type=preferred_element_type)
 
 
+_matmul = jax.custom_vjp(_dot, nondiff_argnums=(2, 3, 4))
+
+
 def _matmul_forward(inputs, kernel, dimension_numbers, precision,
                     preferred_element_type):
-  return (_matmul(inputs, kernel, dimension_numbers, precision,
-                  preferred_element_type), (inputs, kernel))
+  return (_dot(inputs, kernel, dimension_numbers, precision,
+               preferred_element_type), (inputs, kernel))
 
 
 def _matmul_backward_rule(dimension_numbers, precision, preferred_element_type,
@@ -123,12 +125,10 @@ def dense_dot_general(inputs: jax.Array, kernel: jax.Array,
                       preferred_element_type=None) -> jax.Array:
   """`jax.lax.dot_general` for Dense layers, whose backward pass computes
   the kernel's gradient with `kernel_gradient`."""
-  if not _is_dense_matmul(inputs, kernel, dimension_numbers):
-    return jax.lax.dot_general(inputs, kernel, dimension_numbers,
-                               precision=precision,
-                               preferred_element_type=preferred_element_type)
-  return _matmul(inputs, kernel, dimension_numbers, precision,
-                 preferred_element_type)
+  matmul = (_matmul if _is_dense_matmul(inputs, kernel, dimension_numbers)
+            else _dot)
+  return matmul(inputs, kernel, dimension_numbers, precision,
+                preferred_element_type)
 
 
 def _gelu_then_dot(inputs, kernel, dimension_numbers, precision,
