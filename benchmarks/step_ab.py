@@ -5,6 +5,7 @@ r"""Two variants of vit_jax's train step, side by side in one process.
   python benchmarks/step_ab.py --cpu_devices=0 --pairs=20
   python benchmarks/step_ab.py --a_kernel_gradient=jax --pairs=20
   python benchmarks/step_ab.py --b_attention_core=elementwise
+  python benchmarks/step_ab.py --b='{"attention_implementation": "einsum"}'
 
 Compiles the train step of benchmarks/throughput.py's vit_jax worker (same
 dims, batch, AdamW, a device per core unless --cpu_devices says otherwise)
@@ -23,7 +24,11 @@ backward pass computes the kernels' gradients: "ours"
 logits product, the softmax and the weighted sum of values): "xla", the
 model's, or "elementwise", q * k + v in its place (`elementwise_core`), the
 projections and their gradients kept: what the step would take with a core
-that cost nothing, the most a faster attention kernel could win.
+that cost nothing, the most a faster attention kernel could win. A softmax
+other than "ours" and the elementwise core replace parts of the einsums,
+so they set attention_implementation to "einsum" unless the variant's
+fields name one (by default the model runs the C++ attention kernel on a
+CPU: `--b='{"attention_implementation": "einsum"}'` compares the two).
 
 Prints each variant's XLA scratch (temp) per device, compile seconds and
 median step, then
@@ -136,6 +141,10 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
   matmuls.kernel_gradient = (OUR_KERNEL_GRADIENT if kernel_gradient == "ours"
                              else jax_kernel_gradient)
   jax.clear_caches()
+  if softmax != "ours" or attention_core == "elementwise":
+    # Both replace parts of the einsums, which "auto" skips on a CPU with
+    # the C++ kernel.
+    fields = dict({"attention_implementation": "einsum"}, **fields)
   model = models.VisionTransformer(num_classes=throughput.NUM_CLASSES,
                                    patch_size=patch,
                                    **dict(throughput.DIMS, **fields))

@@ -1,6 +1,6 @@
 """The attention core's implementations: the einsums, XLA's and cuDNN's
 `jax.nn.dot_product_attention`, and which one `attention_implementation`
-picks where."""
+picks where (the CPU kernel's own tests: test_cpu_attention.py)."""
 
 import dataclasses
 import functools
@@ -60,7 +60,9 @@ def test_xla_dot_product_attention_gives_the_einsums_values(classifier):
   assert any(differ), "the two paths should be different computations"
 
 
-def test_auto_on_cpu_traces_the_einsums():
+def test_auto_on_cpu_traces_the_einsums_where_the_kernel_cannot_run():
+  """head_dim 12 is not a multiple of the CPU kernel's 16 lanes (the kernel
+  itself: tests/test_cpu_attention.py)."""
   params, images = _params_and_images()
   jaxpr = lambda implementation: str(jax.make_jaxpr(
       models.VisionTransformer(
@@ -140,7 +142,7 @@ def test_einsums_whenever_probabilities_or_masks_are_needed():
   assert choose("auto", locality=True) is None
   assert choose("einsum") is None
   assert choose("xla") == "xla"
-  for requested in ("xla", "cudnn"):
+  for requested in ("xla", "cudnn", "cpu_kernel"):
     with pytest.raises(ValueError, match="locality_attention"):
       choose(requested, locality=True)
     with pytest.raises(ValueError, match="attention dropout"):

@@ -143,8 +143,9 @@ def test_step_ab_compares_two_softmaxes_in_one_process():
   for the first block, 128 x 3 x 65 x 65 floats (the last block attends
   from the class token only)."""
   lines = _run("benchmarks/step_ab.py", "--model=vit_tiny_cifar",
-               "--a={\"num_layers\": 2}", "--b={\"num_layers\": 2}",
-               "--a_softmax=jax.nn", "--pairs=2", "--cpu_devices=0",
+               "--a={\"num_layers\": 2}",
+               "--b={\"num_layers\": 2, \"attention_implementation\": "
+               "\"einsum\"}", "--a_softmax=jax.nn", "--pairs=2", "--cpu_devices=0",
                env=dict(ONE_DEVICE, VIT_JAX_NO_REEXEC="1"))
   summary = re.fullmatch(r"summary: b_over_a_step=(\d+\.\d{3}) "
                          r"a_temp_mib=(\d+) b_temp_mib=(\d+)", lines[-1])

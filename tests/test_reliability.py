@@ -162,6 +162,11 @@ def test_keep_best_saves_the_params_of_the_best_evaluation(tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
+# The one subprocess: the C++ compiler building vit_jax's own kernel source
+# (an argument list, no shell).
+_MAY_RUN_A_COMPILER = {"cpu_attention.py": "subprocess"}
+
+
 def test_library_never_unpickles_or_shells_out():
   """Loading user files must not run code: no pickle, no shell, no eval."""
   import ast  # pylint: disable=g-import-not-at-top
@@ -176,6 +181,8 @@ def test_library_never_unpickles_or_shells_out():
         modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
                    else [node.module or ""])
         for module in modules:
+          if _MAY_RUN_A_COMPILER.get(name) == module:
+            continue
           assert module.split(".")[0] not in ("pickle", "subprocess",
                                               "dill", "shelve"), (name,
                                                                   module)
@@ -184,6 +191,8 @@ def test_library_never_unpickles_or_shells_out():
         called = getattr(func, "attr", getattr(func, "id", ""))
         assert called not in ("system", "popen", "eval", "exec"), (name,
                                                                    called)
+      if isinstance(node, ast.keyword) and node.arg == "shell":
+        assert getattr(node.value, "value", None) is False, name
       if isinstance(node, ast.keyword) and node.arg == "allow_pickle":
         assert getattr(node.value, "value", None) is False, name
       if isinstance(node, ast.keyword) and node.arg == "weights_only":

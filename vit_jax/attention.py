@@ -1,5 +1,6 @@
-"""Which kernel computes softmax(Q K^T / sqrt(d)) V: the model's own einsums
-or `jax.nn.dot_product_attention` (XLA's, or cuDNN's fused flash attention).
+"""Which kernel computes softmax(Q K^T / sqrt(d)) V: the model's own einsums,
+vit_jax's C++ kernel for XLA:CPU (`vit_jax.cpu_attention`) or
+`jax.nn.dot_product_attention` (XLA's, or cuDNN's fused flash attention).
 
 `MultiHeadSelfAttention` asks `fused_implementation` each time it is traced. The
 choice changes neither the parameters nor (beyond float rounding) the values.
@@ -7,10 +8,12 @@ choice changes neither the parameters nor (beyond float rounding) the values.
   "auto"    cuDNN's flash attention where it runs (a CUDA GPU of compute
             capability 8.0 or later, bfloat16/float16 compute, head_dim a
             multiple of 8 up to 128): no (B, heads, T, T) probabilities in
-            memory. Elsewhere the einsums: on XLA:CPU
+            memory. On a CPU in float32 with head_dim a multiple of 16, the
+            C++ kernel where it builds. Elsewhere the einsums: on XLA:CPU
             `jax.nn.dot_product_attention` was no faster (README, *Attention
             kernel*), and in JAX 0.10 its own default is XLA's path.
   "einsum"  always the einsums.
+  "cpu_kernel" the C++ kernel; an error where it cannot run.
   "xla"     `jax.nn.dot_product_attention(implementation="xla")`.
   "cudnn"   `jax.nn.dot_product_attention(implementation="cudnn")`; an
             error where cuDNN cannot run it.
@@ -19,7 +22,7 @@ The einsums' softmax is `softmax`, below: it keeps only its output for
 the backward pass. Attention maps (the `intermediates` collection) need
 the probabilities, so capturing them always takes the einsums. Dropout on
 the probabilities and Locality Self-Attention's diagonal mask exist only
-there too: "auto" then takes the einsums, "xla" and "cudnn" raise.
+there too: "auto" then takes the einsums, the other kernels raise.
 """
 
 from typing import Any, Optional
@@ -27,7 +30,9 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("auto", "einsum", "xla", "cudnn")
+from vit_jax import cpu_attention
+
+IMPLEMENTATIONS = ("auto", "einsum", "cpu_kernel", "xla", "cudnn")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -55,8 +60,8 @@ def fused_implementation(requested: str, dtype: Any, head_dim: int, *,
                          capturing: bool = False, dropout: bool = False,
                          locality: bool = False, device: Any = None
                          ) -> Optional[str]:
-  """The `implementation` to pass to `jax.nn.dot_product_attention`, or
-  None for the einsums.
+  """The `implementation` to pass to `jax.nn.dot_product_attention`,
+  "cpu_kernel" for `cpu_attention.attention_core`, or None for the einsums.
 
   requested: one of IMPLEMENTATIONS; dtype: the compute dtype; head_dim:
   hidden_size / num_heads; capturing: attention maps are being captured;
@@ -71,20 +76,24 @@ def fused_implementation(requested: str, dtype: Any, head_dim: int, *,
   unsupported = ("attention dropout" if dropout else
                  "locality_attention" if locality else None)
   if requested == "auto":
-    if unsupported or cudnn_problem(dtype, head_dim, device):
+    if unsupported:
       return None
-    return "cudnn"
+    if not cudnn_problem(dtype, head_dim, device):
+      return "cudnn"
+    if not cpu_attention.problem(dtype, head_dim, device):
+      return "cpu_kernel"
+    return None
   if unsupported:
     raise ValueError(
         f"attention_implementation={requested!r} does not support "
         f"{unsupported}; use 'auto' or 'einsum' (the model's own einsums).")
-  if requested == "cudnn":
-    problem = cudnn_problem(dtype, head_dim, device)
-    if problem:
-      raise ValueError(
-          f"attention_implementation='cudnn' cannot run here: {problem}. "
-          "Use 'auto', which takes cuDNN where it can and the einsums "
-          "elsewhere.")
+  problem = {"cudnn": cudnn_problem, "cpu_kernel": cpu_attention.problem,
+             "xla": lambda *_: None}[requested](dtype, head_dim, device)
+  if problem:
+    raise ValueError(
+        f"attention_implementation={requested!r} cannot run here: "
+        f"{problem}. Use 'auto', which takes cuDNN or the CPU kernel where "
+        "they can run and the einsums elsewhere.")
   return requested
 
 

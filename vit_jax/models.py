@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vit_jax import attention, matmuls
+from vit_jax import attention, cpu_attention, matmuls
 
 Dtype = Any
 CLASSIFIERS = ("token", "gap")
@@ -179,7 +179,8 @@ class MultiHeadSelfAttention(nn.Module):
           tokens, kernel, (((1,), (0,)), ((), ()))) + bias, inputs)
       outputs = outputs.reshape(*outputs.shape[:2], len(names),
                                 self.num_heads, head_dim)
-      order = (2, 0, 1, 3, 4) if fused is not None else (2, 0, 3, 1, 4)
+      token_major = fused in ("xla", "cudnn")
+      order = (2, 0, 1, 3, 4) if token_major else (2, 0, 3, 1, 4)
       return list(jnp.transpose(outputs, order))
 
     if num_query_tokens is None:
@@ -193,6 +194,10 @@ class MultiHeadSelfAttention(nn.Module):
         kernel_init=nn.initializers.xavier_uniform(),
         dot_general=matmuls.dense_dot_general, name="out")
 
+    if fused == "cpu_kernel":
+      attended = cpu_attention.attention_core(
+          query / jnp.sqrt(head_dim).astype(self.dtype), key, value)
+      return per_token(output, jnp.swapaxes(attended, 1, 2))
     if fused is not None:
       return per_token(output, jax.nn.dot_product_attention(
           query, key, value, scale=head_dim ** -0.5, implementation=fused))

@@ -1,0 +1,194 @@
+"""vit_jax's C++ attention kernel for XLA:CPU (`vit_jax.cpu_attention`):
+values and gradients against a float64 NumPy reference, sharding, the model
+choosing it, and the build's failures."""
+
+import dataclasses
+import os
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vit_jax import attention, cpu_attention, models, sharding
+
+pytestmark = pytest.mark.skipif(
+    cpu_attention.problem(jnp.float32, 64) is not None,
+    reason=f"the CPU kernel cannot be built here: "
+    f"{cpu_attention.problem(jnp.float32, 64)}")
+
+
+def _reference(query, key, value, output_grad):
+  """Output and (d query, d key, d value) of softmax(q k^T) v in float64,
+  the gradient written out by hand."""
+  q, k, v, g = (np.asarray(x, np.float64) for x in
+                (query, key, value, output_grad))
+  logits = np.einsum("bhqd,bhkd->bhqk", q, k)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  output = np.einsum("bhqk,bhkd->bhqd", p, v)
+  d_p = np.einsum("bhqd,bhkd->bhqk", g, v)
+  d_logits = p * (d_p - np.sum(d_p * p, -1, keepdims=True))
+  return output, (np.einsum("bhqk,bhkd->bhqd", d_logits, k),
+                  np.einsum("bhqk,bhqd->bhkd", d_logits, q),
+                  np.einsum("bhqk,bhqd->bhkd", p, g))
+
+
+def _operands(batch, heads, query_tokens, key_tokens, head_dim, seed=0):
+  rng = np.random.default_rng(seed)
+  draw = lambda tokens, scale: (scale * rng.standard_normal(
+      (batch, heads, tokens, head_dim))).astype(np.float32)
+  # Logits of a few units: the softmax far from uniform, nothing saturated.
+  return (draw(query_tokens, 0.4), draw(key_tokens, 0.4),
+          draw(key_tokens, 1.0), draw(query_tokens, 1.0))
+
+
+@pytest.mark.parametrize("batch, heads, query_tokens, key_tokens, head_dim", [
+    (2, 3, 65, 65, 64),   # vit_tiny_cifar's blocks: 65 = 4 vectors + 1
+    (1, 2, 197, 197, 64),  # ViT-*/16 @224
+    (3, 3, 1, 65, 64),    # the class-token-only last block
+    (2, 1, 16, 16, 16),   # whole vectors, no padding
+    (2, 2, 5, 7, 80),     # fewer tokens than a vector; ViT-H's head_dim
+    (1, 1, 50, 50, 32),
+])
+def test_values_and_gradients_match_a_float64_reference(
+    batch, heads, query_tokens, key_tokens, head_dim):
+  query, key, value, output_grad = _operands(batch, heads, query_tokens,
+                                             key_tokens, head_dim)
+  output, vjp = jax.vjp(cpu_attention.attention_core, query, key, value)
+  gradients = vjp(output_grad)
+  expected_output, expected_gradients = _reference(query, key, value,
+                                                   output_grad)
+  chex.assert_shape(output, query.shape)
+  np.testing.assert_allclose(output, expected_output, rtol=2e-5, atol=2e-6)
+  for got, expected in zip(gradients, expected_gradients):
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+  # Without differentiation the probabilities stay in scratch (another
+  # custom call): the same values.
+  np.testing.assert_allclose(
+      jax.jit(cpu_attention.attention_core)(query, key, value), output,
+      rtol=1e-6, atol=1e-7)
+
+
+def test_extreme_logits_stay_finite_and_exact():
+  """A row of large logits (softmax one-hot up to rounding) and one of
+  equal logits (uniform)."""
+  query, key, value, output_grad = _operands(1, 1, 2, 40, 16)
+  key[0, 0, 7] = 30 * query[0, 0, 0] / np.sum(query[0, 0, 0] ** 2)
+  query[0, 0, 0] *= 10  # logit 300 on key 7, far above the rest
+  query[0, 0, 1] = 0.0  # all logits 0
+  output, vjp = jax.vjp(cpu_attention.attention_core, query, key, value)
+  expected_output, expected_gradients = _reference(query, key, value,
+                                                   output_grad)
+  np.testing.assert_allclose(output, expected_output, rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(output[0, 0, 0], value[0, 0, 7], rtol=1e-5)
+  np.testing.assert_allclose(output[0, 0, 1], value[0, 0].mean(0),
+                             rtol=1e-5, atol=1e-6)
+  for got, expected in zip(vjp(output_grad), expected_gradients):
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+
+
+def test_a_batch_split_mesh_runs_the_kernel_per_device_without_gathering():
+  mesh = sharding.make_mesh()  # the tests' 8 CPU devices
+  assert mesh.size == 8
+  operands = _operands(8, 3, 65, 65, 64)
+  split = jax.device_put(operands, sharding.batch_sharded(mesh))
+
+  def loss(query, key, value, output_grad):
+    output = cpu_attention.attention_core(query, key, value)
+    return jnp.sum(output * output_grad)
+
+  gradients = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  compiled = gradients.lower(*split).compile().as_text()
+  assert "VitAttentionBackward" in compiled
+  assert not re.search(r"all-gather|all-to-all|collective-permute",
+                       compiled)
+  for got, expected in zip(gradients(*split), gradients(*operands)):
+    assert got.sharding.is_equivalent_to(sharding.batch_sharded(mesh), 4)
+    np.testing.assert_array_equal(got, expected)  # same kernel, same sums
+
+
+_DIMS = dict(num_classes=5, patch_size=4, hidden_size=48, num_layers=2,
+             num_heads=3, mlp_dim=64)  # head_dim 16
+
+
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+def test_the_model_takes_the_kernel_on_cpu_with_the_einsums_values(
+    classifier):
+  rng = np.random.default_rng(0)
+  images = rng.standard_normal((3, 12, 12, 3)).astype(np.float32)
+  params = jax.tree.map(
+      lambda leaf: 0.3 * rng.standard_normal(leaf.shape).astype(np.float32),
+      jax.eval_shape(models.VisionTransformer(**_DIMS,
+                                              classifier=classifier).init,
+                     jax.random.key(0), images))
+
+  def run(implementation):
+    model = models.VisionTransformer(
+        **_DIMS, classifier=classifier,
+        attention_implementation=implementation)
+    loss = lambda params: jnp.sum(jnp.sin(model.apply(params, images)))
+    grad = jax.jit(jax.value_and_grad(loss))
+    return grad(params), str(grad.lower(params).as_text())
+
+  (kernel_loss, kernel_grads), program = run("auto")
+  (einsum_loss, einsum_grads), _ = run("einsum")
+  assert "VitAttentionBackward" in program  # "auto" took the kernel
+  np.testing.assert_allclose(kernel_loss, einsum_loss, rtol=1e-5)
+  chex.assert_trees_all_close(kernel_grads, einsum_grads, atol=1e-5,
+                              rtol=1e-4)
+
+
+@dataclasses.dataclass
+class _Device:
+  platform: str
+
+
+@pytest.mark.parametrize("device, dtype, head_dim, problem", [
+    (_Device("cpu"), jnp.float32, 64, None),
+    (_Device("cpu"), jnp.float32, 80, None),
+    (_Device("cpu"), jnp.bfloat16, 64, "computes in float32"),
+    (_Device("cpu"), jnp.float32, 12, "multiple of 16"),
+    (_Device("gpu"), jnp.float32, 64, "runs on CPUs"),
+    (_Device("tpu"), jnp.float32, 64, "runs on CPUs"),
+])
+def test_auto_takes_the_kernel_exactly_where_it_runs(device, dtype, head_dim,
+                                                     problem):
+  choice = attention.fused_implementation("auto", dtype, head_dim,
+                                          device=device)
+  if problem:
+    assert choice is None  # the einsums
+    with pytest.raises(ValueError, match=f"{problem}.*Use 'auto'"):
+      attention.fused_implementation("cpu_kernel", dtype, head_dim,
+                                     device=device)
+  else:
+    assert choice == "cpu_kernel"
+  for flags in (dict(capturing=True), dict(dropout=True),
+                dict(locality=True)):
+    assert attention.fused_implementation("auto", dtype, head_dim,
+                                          device=device, **flags) is None
+
+
+def test_the_build_is_cached_and_failures_name_the_compiler(
+    tmp_path, monkeypatch):
+  monkeypatch.setenv("VIT_JAX_CACHE_DIR", str(tmp_path))
+  library = cpu_attention.build()
+  assert library.parent == tmp_path and library.exists()
+  built_at = library.stat().st_mtime_ns
+  assert cpu_attention.build() == library  # cached: not rebuilt
+  assert library.stat().st_mtime_ns == built_at
+  assert [path.name for path in tmp_path.iterdir()] == [library.name]
+  with pytest.raises(RuntimeError, match="no C.. compiler 'no-such-c..'"):
+    cpu_attention.build("no-such-c++")
+  # A compiler that fails: its message is passed on, nothing is cached.
+  failing = tmp_path / "failing-c++"
+  failing.write_text("#!/bin/sh\necho 'fatal: out of cheese' >&2\nexit 1\n")
+  failing.chmod(0o755)
+  monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+  with pytest.raises(RuntimeError, match="(?s)failed to build.*out of cheese"):
+    cpu_attention.build(failing.name)
+  assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
+      [library.name, failing.name])
