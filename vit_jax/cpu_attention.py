@@ -2,11 +2,13 @@
 
 Why: on XLA:CPU the core's batched products (head_dim 64, T = 197) ran at
 less than half the rate of the model's dense layers, and the core took 21%
-of a ViT-Ti/16 @224 train step for 15% of its FLOPs (README, *Attention
-kernel*). `csrc/attention_cpu.cc` computes the forward pass and the
-gradient one (batch, head) pair at a time, with its operands in L2,
-register-blocked products and a vectorised softmax, and keeps the
-probabilities for the backward pass as the einsums do.
+of a ViT-Ti/16 @224 train step for 15% of its FLOPs
+(docs/throughput_runs.md, runs 17-19); with this kernel the step is ~10%
+faster (README, *The attention core as a C++ kernel*).
+`csrc/attention_cpu.cc` computes the forward pass and the gradient one
+(batch, head) pair at a time, with its operands in L2, register-blocked
+products and a vectorised softmax, and keeps the probabilities for the
+backward pass as the einsums do.
 
 The kernel is compiled from source with the system's C++ compiler (`$CXX`,
 else `c++`) the first time it is needed on a machine, for that machine's CPU
@@ -33,7 +35,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 from jax.extend import core
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "attention_cpu.cc"
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17",
@@ -157,6 +159,21 @@ def _primitive(target: str, results) -> core.Primitive:
     return jax.ffi.ffi_lowering(target, extra_attributes=attributes)(
         ctx, *operands)
 
+  def batch_rule(operands, axes):
+    # Under jax.vmap the mapped axis joins the batch axis: one call.
+    size = next(operand.shape[axis] for operand, axis in zip(operands, axes)
+                if axis is not None)
+    merged = []
+    for operand, axis in zip(operands, axes):
+      operand = (jnp.broadcast_to(operand, (size, *operand.shape))
+                 if axis is None  # not mapped
+                 else jnp.moveaxis(operand, axis, 0))
+      merged.append(operand.reshape(-1, *operand.shape[2:]))
+    results = primitive.bind(*merged)
+    return ([result.reshape(size, -1, *result.shape[1:])
+             for result in results], [0] * len(results))
+
+  batching.primitive_batchers[primitive] = batch_rule
   mlir.register_lowering(primitive, lowering, platform="cpu")
   return primitive
 

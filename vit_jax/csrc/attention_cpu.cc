@@ -63,7 +63,8 @@ inline void Tile(int64_t depth, const float* a, int64_t a_row, int64_t a_k,
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int v = 0; v < VECTORS; ++v) Store(c + r * ldc + v * kLanes, acc[r][v]);
+    for (int v = 0; v < VECTORS; ++v)
+      Store(c + r * ldc + v * kLanes, acc[r][v]);
 }
 
 template <int VECTORS>
@@ -102,8 +103,8 @@ void Product(int64_t rows, int64_t columns, int64_t depth, const float* a,
 }
 
 // x^T: (rows x columns) -> (columns x padded_rows), the padding zero.
-void Transpose(int64_t rows, int64_t columns, const float* x, int64_t padded_rows,
-               float* out) {
+void Transpose(int64_t rows, int64_t columns, const float* x,
+               int64_t padded_rows, float* out) {
   for (int64_t j = 0; j < columns; ++j) {
     float* row = out + j * padded_rows;
     for (int64_t i = 0; i < rows; ++i) row[i] = x[i * columns + j];
@@ -246,8 +247,8 @@ void ForEachPair(ffi::ThreadPool& pool, int64_t pairs, Work work) {
   state->finished.wait(lock, [&] { return state->done.load() == pairs; });
 }
 
-ffi::Error ShapeOf(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k,
-                   Shape* shape) {
+ffi::Error ShapeOf(const ffi::Buffer<ffi::F32>& q,
+                   const ffi::Buffer<ffi::F32>& k, Shape* shape) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || qd[0] != kd[0] || qd[1] != kd[1] ||
       qd[3] != kd[3] || qd[3] % kLanes != 0)
