@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vit_jax import attention, models
+from vit_jax import attention, cpu_attention, models
 
 # head_dim 12: 1/sqrt(12) is inexact, so scaling the query first (einsums)
 # and the logits after (jax.nn.dot_product_attention) round differently.
@@ -109,28 +109,45 @@ class _Device:
 _AMPERE = _Device("gpu", "8.0")
 
 
-@pytest.mark.parametrize("device, dtype, head_dim, problem", [
-    (_AMPERE, jnp.bfloat16, 64, None),
-    (_Device("gpu", "9.0"), jnp.float16, 128, None),
-    (_AMPERE, jnp.float32, 64, "bfloat16 or float16"),
-    (_Device("gpu", "7.5"), jnp.bfloat16, 64, "compute capability 8.0"),
-    (_AMPERE, jnp.bfloat16, 100, "multiple of 8 up to 128"),
-    (_AMPERE, jnp.bfloat16, 136, "multiple of 8 up to 128"),
-    (_Device("gpu"), jnp.bfloat16, 64, "CUDA GPU"),  # no capability: ROCm
-    (_Device("cpu"), jnp.bfloat16, 64, "CUDA GPU"),
-    (_Device("tpu"), jnp.bfloat16, 64, "CUDA GPU"),
+_CPU_KERNEL_PROBLEM = cpu_attention.problem(jnp.float32, 64, _Device("cpu"))
+_NEEDS_THE_CPU_KERNEL = pytest.mark.skipif(
+    _CPU_KERNEL_PROBLEM is not None,
+    reason=f"the CPU kernel cannot run here: {_CPU_KERNEL_PROBLEM}")
+
+
+@pytest.mark.parametrize("kernel, device, dtype, head_dim, problem", [
+    ("cudnn", _AMPERE, jnp.bfloat16, 64, None),
+    ("cudnn", _Device("gpu", "9.0"), jnp.float16, 128, None),
+    ("cudnn", _AMPERE, jnp.float32, 64, "bfloat16 or float16"),
+    ("cudnn", _Device("gpu", "7.5"), jnp.bfloat16, 64,
+     "compute capability 8.0"),
+    ("cudnn", _AMPERE, jnp.bfloat16, 100, "multiple of 8 up to 128"),
+    ("cudnn", _AMPERE, jnp.bfloat16, 136, "multiple of 8 up to 128"),
+    ("cudnn", _Device("gpu"), jnp.bfloat16, 64, "CUDA GPU"),  # ROCm
+    ("cudnn", _Device("cpu"), jnp.bfloat16, 64, "CUDA GPU"),
+    ("cudnn", _Device("tpu"), jnp.bfloat16, 64, "CUDA GPU"),
+    pytest.param("cpu_kernel", _Device("cpu"), jnp.float32, 64, None,
+                 marks=_NEEDS_THE_CPU_KERNEL),
+    pytest.param("cpu_kernel", _Device("cpu"), jnp.float32, 80, None,
+                 marks=_NEEDS_THE_CPU_KERNEL),
+    ("cpu_kernel", _Device("cpu"), jnp.bfloat16, 64, "computes in float32"),
+    ("cpu_kernel", _Device("cpu"), jnp.float32, 12, "multiple of 16"),
+    ("cpu_kernel", _Device("gpu"), jnp.float32, 64, "runs on CPUs"),
+    ("cpu_kernel", _Device("tpu"), jnp.float32, 64, "runs on CPUs"),
 ])
-def test_auto_takes_cudnn_exactly_where_it_runs(device, dtype, head_dim,
-                                                problem):
-  choice = attention.fused_implementation("auto", dtype, head_dim,
-                                          device=device)
-  assert choice == (None if problem else "cudnn")
+def test_auto_takes_a_fused_kernel_exactly_where_it_runs(
+    kernel, device, dtype, head_dim, problem):
+  choose = lambda requested, **flags: attention.fused_implementation(
+      requested, dtype, head_dim, device=device, **flags)
+  assert choose("auto") == (None if problem else kernel)
   if problem:
-    with pytest.raises(ValueError, match=problem):
-      attention.fused_implementation("cudnn", dtype, head_dim, device=device)
+    with pytest.raises(ValueError, match=f"{problem}.*Use 'auto'"):
+      choose(kernel)
   else:
-    assert attention.fused_implementation(
-        "cudnn", dtype, head_dim, device=device) == "cudnn"
+    assert choose(kernel) == kernel
+    for flags in (dict(capturing=True), dict(dropout=True),
+                  dict(locality=True)):
+      assert choose("auto", **flags) is None  # the einsums
 
 
 def test_einsums_whenever_probabilities_or_masks_are_needed():

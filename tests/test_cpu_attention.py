@@ -1,8 +1,8 @@
 """vit_jax's C++ attention kernel for XLA:CPU (`vit_jax.cpu_attention`):
-values and gradients against a float64 NumPy reference, sharding, the model
-choosing it, and the build's failures."""
+values and gradients against a float64 NumPy reference, vmap, sharding, the
+model taking it, and the build's failures (where "auto" picks it:
+test_attention.py)."""
 
-import dataclasses
 import os
 import re
 
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vit_jax import attention, cpu_attention, models, sharding
+from vit_jax import cpu_attention, models, sharding
 
 pytestmark = pytest.mark.skipif(
     cpu_attention.problem(jnp.float32, 64) is not None,
@@ -159,36 +159,6 @@ def test_the_model_takes_the_kernel_on_cpu_with_the_einsums_values(
   np.testing.assert_allclose(kernel_loss, einsum_loss, rtol=1e-5)
   chex.assert_trees_all_close(kernel_grads, einsum_grads, atol=1e-5,
                               rtol=1e-4)
-
-
-@dataclasses.dataclass
-class _Device:
-  platform: str
-
-
-@pytest.mark.parametrize("device, dtype, head_dim, problem", [
-    (_Device("cpu"), jnp.float32, 64, None),
-    (_Device("cpu"), jnp.float32, 80, None),
-    (_Device("cpu"), jnp.bfloat16, 64, "computes in float32"),
-    (_Device("cpu"), jnp.float32, 12, "multiple of 16"),
-    (_Device("gpu"), jnp.float32, 64, "runs on CPUs"),
-    (_Device("tpu"), jnp.float32, 64, "runs on CPUs"),
-])
-def test_auto_takes_the_kernel_exactly_where_it_runs(device, dtype, head_dim,
-                                                     problem):
-  choice = attention.fused_implementation("auto", dtype, head_dim,
-                                          device=device)
-  if problem:
-    assert choice is None  # the einsums
-    with pytest.raises(ValueError, match=f"{problem}.*Use 'auto'"):
-      attention.fused_implementation("cpu_kernel", dtype, head_dim,
-                                     device=device)
-  else:
-    assert choice == "cpu_kernel"
-  for flags in (dict(capturing=True), dict(dropout=True),
-                dict(locality=True)):
-    assert attention.fused_implementation("auto", dtype, head_dim,
-                                          device=device, **flags) is None
 
 
 def test_the_build_is_cached_and_failures_name_the_compiler(
