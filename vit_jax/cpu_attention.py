@@ -138,10 +138,11 @@ def _primitive(target: str, results) -> core.Primitive:
   *operand avals) gives its result (shape, dtype) pairs.
 
   Its custom call is declared batch-partitionable over B and H, with the
-  other axes whole (a Shardy sharding rule, or for XLA's older partitioner
-  the `num_batch_dims` attribute of XLA's own linear-algebra calls): under a
-  batch-split mesh each device runs the kernel on its part, unlike a plain
-  `jax.ffi.ffi_call`, which the partitioner would gather.
+  other axes whole: a Shardy sharding rule and the `num_batch_dims`
+  attribute that JAX's own linear-algebra calls carry, for a target that
+  `_load` registers as batch-partitionable. Under a batch-split mesh each
+  device then runs the kernel on its part, where the partitioner would
+  gather a plain `jax.ffi.ffi_call` onto every device.
   """
   primitive = core.Primitive(target)
   primitive.multiple_results = True

@@ -8,8 +8,8 @@
 // of 16 columns, so every product below runs on whole vectors.
 //
 // Each (batch, head) pair is one task: its operands (~0.3 MB at 197 tokens)
-// stay in L2 through the three products of the forward pass or the five of
-// the backward pass. The products are register-blocked: a tile of ROWS rows
+// stay in L2 through the two products and the softmax of the forward pass,
+// or the four products and the softmax gradient of the backward pass. The products are register-blocked: a tile of ROWS rows
 // by VECTORS vectors of 16 floats is accumulated in registers over the whole
 // contraction and stored once.
 
@@ -114,7 +114,8 @@ void Transpose(int64_t rows, int64_t columns, const float* x,
 
 // exp(x) to about one ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor
 // series to degree 7 (truncation error below 6e-9), 2^n through the exponent
-// bits. Inputs below -87 (only ever the shifted logits' far tail) give 0.
+// bits. Inputs are clamped to [-87, 88]: below, only the shifted logits'
+// far tail, whose exp (~1.6e-38) is nothing beside the row maximum's 1.
 inline Vec Exp(Vec x) {
   const Vec low = Splat(-87.0f), high = Splat(88.0f);
   x = x < low ? low : x;
