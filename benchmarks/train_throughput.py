@@ -51,10 +51,11 @@ def main(_):
   state = steps.create_train_state(model, (height, width, channels),
                                    optim.make_optimizer(config, schedule),
                                    0, mesh, ema=config.ema_decay > 0)
-  train_fn = steps.compile_train_step(
+  step_for = lambda state: steps.compile_train_step(
       config, mesh, steps.shardings_of(state),
       np.full(channels, 127.0, np.float32),
       np.full(channels, 64.0, np.float32), True, schedule)
+  train_fn = step_for(state)
   batches = input_pipeline.train_batches(images, labels, _BATCH.value, 0, 0,
                                          mesh)
   fixed = next(batches)
@@ -66,9 +67,9 @@ def main(_):
   # XLA's count for the whole batch: the compiled program's would be one
   # device's share (within 1% of this on one device). Of the einsums'
   # program: XLA counts nothing inside the CPU attention kernel.
-  flops = (train_fn.lower(state.replace(
-      apply_fn=introspect.einsum_attention(model).apply), *fixed
-                         ).cost_analysis() or {}).get("flops", float("nan"))
+  counted = state.replace(apply_fn=introspect.einsum_attention(model).apply)
+  flops = (step_for(counted).lower(counted, *fixed).cost_analysis()
+           or {}).get("flops", float("nan"))
   state, metrics = compiled(state, *fixed)  # first run: allocation, warm-up
   jax.block_until_ready(metrics)
 
