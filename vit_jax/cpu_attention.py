@@ -21,6 +21,7 @@ says why and the model takes its einsums ("auto") or raises ("cpu_kernel").
 part, with no gathering (`_primitive`).
 """
 
+import ctypes
 import functools
 import hashlib
 import logging
@@ -99,7 +100,6 @@ def _load() -> Optional[str]:
   """Builds and registers the kernel once per process; the problem, or
   None when it is ready."""
   try:
-    import ctypes  # pylint: disable=g-import-not-at-top
     library = ctypes.cdll.LoadLibrary(str(build()))
     for target in _TARGETS:
       jax.ffi.register_ffi_target(
