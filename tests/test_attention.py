@@ -150,6 +150,21 @@ def test_auto_takes_a_fused_kernel_exactly_where_it_runs(
       assert choose("auto", **flags) is None  # the einsums
 
 
+@pytest.mark.parametrize("lengths, problem", [
+    ((196, 196), None), ((1, 196), "even token counts, .* has 1"),
+    ((197, 197), "even token counts, .* has 197")])
+def test_cudnn_only_where_its_gradient_runs(lengths, problem):
+  """On an H100 with JAX 0.11, cuDNN's attention raised "Unsupported
+  sequence length Q 197, KV 197" under differentiation (docs/gpu.md)."""
+  choose = lambda requested: attention.fused_implementation(
+      requested, jnp.bfloat16, 64, device=_Device("gpu", "9.0"),
+      sequence_lengths=lengths)
+  assert choose("auto") == (None if problem else "cudnn")
+  if problem:
+    with pytest.raises(ValueError, match=problem):
+      choose("cudnn")
+
+
 def test_einsums_whenever_probabilities_or_masks_are_needed():
   choose = lambda requested, **flags: attention.fused_implementation(
       requested, jnp.bfloat16, 64, device=_AMPERE, **flags)

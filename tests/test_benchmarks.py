@@ -253,3 +253,91 @@ def test_dense_product_rates_weigh_each_width_by_its_flops():
   result = throughput.dense_product_rates(rates)
   assert result["x.W"] == pytest.approx(200.0)
   assert result["dy.W^T"] == pytest.approx(50.0)
+
+
+def _benchmark_module(name: str):
+  benchmarks = os.path.join(ROOT, "benchmarks")
+  sys.path.insert(0, benchmarks)  # gpu_throughput imports gpu_profile
+  try:
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(benchmarks, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+  finally:
+    sys.path.remove(benchmarks)
+  return module
+
+
+@pytest.mark.parametrize("name", ["ViT-Ti/16", "ViT-B/16"])
+def test_gpu_benchmark_flops_agree_with_xlas_count(name):
+  """The analytic matmul FLOPs behind the GPU benchmark's MFU are within 3%
+  of XLA's count of the real model's forward pass (which adds the
+  elementwise work: softmax, GELU, LayerNorm)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from vit_jax import introspect, variants  # pylint: disable=import-outside-toplevel
+  gpu_throughput = _benchmark_module("gpu_throughput")
+  model = variants.build_model(variants.get_variant(name), 1000)
+  params = jax.tree.map(
+      lambda s: jnp.zeros(s.shape, s.dtype),
+      jax.eval_shape(lambda key: model.init(key, jnp.zeros(
+          (1, 224, 224, 3)))["params"], jax.random.PRNGKey(0)))
+  counted = introspect.flops_per_image(model, params, (224, 224, 3))
+  analytic = gpu_throughput.forward_flops_per_image(name)
+  assert 0.97 * counted < analytic <= counted
+
+
+def test_gpu_benchmark_report_ends_with_the_summary_line():
+  gpu_throughput = _benchmark_module("gpu_throughput")
+  device = {"device": "NVIDIA H100 80GB HBM3"}
+  results = {
+      ("ViT-B/16", "train", "vit_jax"): dict(device, images_per_s=1200.0,
+                                            compile_s=20.0, peak_gib=30.0),
+      ("ViT-B/16", "train", "timm"): dict(device, images_per_s=1000.0,
+                                         compile_s=50.0, peak_gib=31.0),
+      ("ViT-B/16", "infer", "vit_jax"): dict(device, images_per_s=3000.0,
+                                            compile_s=5.0, peak_gib=3.0),
+      ("ViT-B/16", "infer", "timm"): {"error": "worker failed"},
+  }
+  rows = gpu_throughput.report(results, 800.0, ["ViT-B/16"],
+                               ["train", "infer"])
+  assert any("| timm | failed |" in row for row in rows)
+  mfu = 1200.0 * 3 * gpu_throughput.forward_flops_per_image("ViT-B/16") / 8e14
+  assert rows[-1] == (f'summary: gpu="NVIDIA H100 80GB HBM3" '
+                      f"train_vs_timm=1.20 infer_vs_timm=nan "
+                      f"train_mfu={mfu:.2f} compile_s=20.0")
+
+
+def test_gpu_profile_sums_kernels_of_gpu_streams_by_class(tmp_path):
+  """Kernels on the GPU's stream threads count, by class and per step;
+  host threads and the GPU's non-stream lines (XLA ops) do not; the busy
+  time is the union of overlapping kernels."""
+  import gzip  # pylint: disable=import-outside-toplevel
+  gpu_profile = _benchmark_module("gpu_profile")
+  meta = lambda kind, pid, tid, name: {"ph": "M", "name": kind, "pid": pid,
+                                       "tid": tid, "args": {"name": name}}
+  kernel = lambda tid, name, ts, dur, pid=2: {
+      "ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+  events = [
+      meta("process_name", 1, 0, "/host:CPU"),
+      meta("process_name", 2, 0, "/device:GPU:0"),
+      meta("thread_name", 2, 7, "Stream #7(Compute)"),
+      meta("thread_name", 2, 8, "Stream #8(Compute)"),
+      meta("thread_name", 2, 9, "XLA Ops"),
+      kernel(7, "nvjet_tst_192x192_bf16", 0, 600),
+      kernel(8, "cudnn_generated_fort_native_sdpa_sm90", 500, 200),
+      kernel(7, "loop_multiply_fusion", 1000, 100),
+      kernel(7, "input_reduce_fusion_row_reduction", 1200, 100),
+      kernel(9, "fusion.1", 0, 5000),       # an XLA op line, not a kernel
+      kernel(0, "PjitFunction", 0, 9000, pid=1),  # the host
+      {},
+  ]
+  path = tmp_path / "perfetto_trace.json.gz"
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  summary = gpu_profile.kernel_time_by_class(str(path), num_steps=2)
+  assert summary["ms_per_step_by_class"] == {
+      "GEMM": 0.3, "attention (cuDNN)": 0.1, "elementwise fusions": 0.05,
+      "reduction fusions": 0.05}
+  assert summary["gpu_busy_ms_per_step"] == 0.45  # 0-700, 1000-1100, 1200-1300
+  assert summary["kernels_per_step"] == 2.0

@@ -7,8 +7,10 @@ choice changes neither the parameters nor (beyond float rounding) the values.
 
   "auto"    cuDNN's flash attention where it runs (a CUDA GPU of compute
             capability 8.0 or later, bfloat16/float16 compute, head_dim a
-            multiple of 8 up to 128): no (B, heads, T, T) probabilities in
-            memory. On a CPU in float32 with head_dim a multiple of 16, the
+            multiple of 8 up to 128, even token counts: JAX 0.11's cuDNN
+            path cannot differentiate 197 tokens, so a class-token ViT at
+            224 px keeps the einsums; docs/gpu.md): no (B, heads, T, T)
+            probabilities in memory. On a CPU in float32 with head_dim a multiple of 16, the
             C++ kernel where it builds. Elsewhere the einsums: on XLA:CPU
             `jax.nn.dot_product_attention` was no faster (README, *Attention
             kernel*), and in JAX 0.10 its own default is XLA's path.
@@ -25,6 +27,7 @@ the probabilities and Locality Self-Attention's diagonal mask exist only
 there too: "auto" then takes the einsums, the other kernels raise.
 """
 
+import functools
 from typing import Any, Optional
 
 import jax
@@ -36,10 +39,11 @@ IMPLEMENTATIONS = ("auto", "einsum", "cpu_kernel", "xla", "cudnn")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def cudnn_problem(dtype: Any, head_dim: int, device: Any = None
-                  ) -> Optional[str]:
+def cudnn_problem(dtype: Any, head_dim: int, device: Any = None,
+                  sequence_lengths: tuple[int, ...] = ()) -> Optional[str]:
   """Why cuDNN's flash attention cannot run this attention on `device`
-  (default: JAX's first device), or None if it can."""
+  (default: JAX's first device), or None if it can. sequence_lengths: the
+  query and key token counts, where known."""
   device = jax.devices()[0] if device is None else device
   capability = getattr(device, "compute_capability", None)  # CUDA only
   if device.platform != "gpu" or capability is None:
@@ -53,12 +57,20 @@ def cudnn_problem(dtype: Any, head_dim: int, device: Any = None
   if head_dim % 8 or head_dim > 128:
     return (f"it needs head_dim (hidden_size / num_heads) a multiple of 8 up "
             f"to 128, and it is {head_dim}")
+  odd = [length for length in sequence_lengths if length % 2]
+  if odd:
+    # JAX 0.11's cuDNN path (cuDNN 9.19, H100) raises "Unsupported sequence
+    # length Q 197, KV 197" when differentiated; the forward pass alone
+    # runs, but nothing at trace time says whether a gradient will follow.
+    return (f"its gradient needs even token counts, and this attention has "
+            f"{odd[0]} (e.g. 196 patches + a class token)")
   return None
 
 
 def fused_implementation(requested: str, dtype: Any, head_dim: int, *,
                          capturing: bool = False, dropout: bool = False,
-                         locality: bool = False, device: Any = None
+                         locality: bool = False, device: Any = None,
+                         sequence_lengths: tuple[int, ...] = ()
                          ) -> Optional[str]:
   """The `implementation` to pass to `jax.nn.dot_product_attention`,
   "cpu_kernel" for `cpu_attention.attention_core`, or None for the einsums.
@@ -66,7 +78,8 @@ def fused_implementation(requested: str, dtype: Any, head_dim: int, *,
   requested: one of IMPLEMENTATIONS; dtype: the compute dtype; head_dim:
   hidden_size / num_heads; capturing: attention maps are being captured;
   dropout: dropout on the probabilities is active (training, rate > 0);
-  locality: Locality Self-Attention.
+  locality: Locality Self-Attention; sequence_lengths: the query and key
+  token counts.
   """
   if requested not in IMPLEMENTATIONS:
     raise ValueError(f"Unknown attention_implementation {requested!r}; "
@@ -78,7 +91,7 @@ def fused_implementation(requested: str, dtype: Any, head_dim: int, *,
   if requested == "auto":
     if unsupported:
       return None
-    if not cudnn_problem(dtype, head_dim, device):
+    if not cudnn_problem(dtype, head_dim, device, sequence_lengths):
       return "cudnn"
     if not cpu_attention.problem(dtype, head_dim, device):
       return "cpu_kernel"
@@ -87,7 +100,9 @@ def fused_implementation(requested: str, dtype: Any, head_dim: int, *,
     raise ValueError(
         f"attention_implementation={requested!r} does not support "
         f"{unsupported}; use 'auto' or 'einsum' (the model's own einsums).")
-  problem = {"cudnn": cudnn_problem, "cpu_kernel": cpu_attention.problem,
+  problem = {"cudnn": functools.partial(
+      cudnn_problem, sequence_lengths=sequence_lengths),
+             "cpu_kernel": cpu_attention.problem,
              "xla": lambda *_: None}[requested](dtype, head_dim, device)
   if problem:
     raise ValueError(

@@ -158,7 +158,8 @@ class MultiHeadSelfAttention(nn.Module):
         self.implementation, self.dtype, head_dim,
         capturing=self.is_mutable_collection("intermediates"),
         dropout=bool(self.attention_dropout_rate) and not deterministic,
-        locality=self.locality)
+        locality=self.locality,
+        sequence_lengths=(num_query_tokens or x.shape[1], x.shape[1]))
 
     def project(inputs, names):
       """(B, T, D) -> a (B, heads, T, head_dim) per name for the einsums,

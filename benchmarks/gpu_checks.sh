@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU checks of docs/gpu.md, on a CUDA host with JAX, Flax, Optax, Orbax,
+# PyTorch and timm installed (vit_jax itself runs from this checkout):
+#
+#   bash benchmarks/gpu_checks.sh tests OUT_DIR   # pytest -m gpu, then the
+#                                                 # Fashion-MNIST run (~6 min)
+#   bash benchmarks/gpu_checks.sh bench OUT_DIR   # gpu_throughput.py with a
+#                                                 # profile (~7 min)
+#
+# Logs go to OUT_DIR. FASHION_MNIST_DIR (default Debian's
+# /usr/share/datasets/fashion-mnist) holds the raw Fashion-MNIST files;
+# WHEELS_DIR, if set, holds wheels of packages the host lacks (installed
+# into a temporary folder first, nothing else touched).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?tests or bench}
+out=${2:?output folder}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -n "${WHEELS_DIR:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/vit_jax_site "$WHEELS_DIR"/*.whl || exit 1
+  export PYTHONPATH="$PYTHONPATH:/tmp/vit_jax_site"
+fi
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
+    --format=csv
+  python3 -c 'import jax, flax, optax, orbax.checkpoint as o, torch, timm
+print("jax", jax.__version__, "flax", flax.__version__, "optax",
+      optax.__version__, "orbax", o.__version__, "torch", torch.__version__,
+      "timm", timm.__version__); print(jax.devices())'
+  nproc
+} 2>&1 | tee "$out/environment.txt"
+
+case "$part" in
+  tests)
+    python3 -m pytest -m gpu -n 0 -q -rs tests/test_gpu.py \
+      2>&1 | tee "$out/pytest_gpu.txt"
+    start=$SECONDS
+    python3 benchmarks/fashion_mnist.py \
+      --config=configs/vit_fashion_mnist_gpu.py \
+      --config.raw_data_dir="${FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}" \
+      --workdir=/tmp/fashion_mnist_gpu --plot="$out/fashion_mnist_gpu.png" \
+      2>&1 | tee "$out/fashion_mnist_gpu.txt"
+    echo "whole command, Python's start-up included: $((SECONDS - start)) s" \
+      | tee -a "$out/fashion_mnist_gpu.txt"
+    cp /tmp/fashion_mnist_gpu/metrics.jsonl "$out/fashion_mnist_gpu_metrics.jsonl"
+    ;;
+  bench)
+    python3 benchmarks/gpu_throughput.py --profile=/tmp/vit_jax_profile \
+      2>&1 | tee "$out/gpu_throughput.txt"
+    find /tmp/vit_jax_profile -name '*perfetto_trace*' \
+      -exec cp {} "$out/vit_l16_train_trace.json.gz" \;
+    ;;
+esac
