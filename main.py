@@ -29,23 +29,30 @@ import os
 import sys
 
 if __name__ == "__main__":
-  # Before JAX starts: restarts once with a faster malloc (vit_jax/host.py).
-  from vit_jax import host
+  # Before JAX starts (vit_jax/runtime/host.py): restarts once with a
+  # faster malloc, and adds the measured XLA:CPU flags.
+  from vit_jax.runtime import host
   host.reexec_with_fast_malloc()
+  host.default_xla_flags()
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from vit_jax import (checkpoints, datasets, host, models, multihost,
-                     preemption, tools, train, validation)
+from vit_jax import config as config_lib
+from vit_jax.checkpoints import orbax_checkpoints
+from vit_jax.data import datasets
+from vit_jax.inspection import tools
+from vit_jax.model import vit
+from vit_jax.runtime import host, multihost, preemption
+from vit_jax.training import loop
 
 # Errors whose message already says what went wrong and how to fix it: shown
 # as they are, without a traceback.
 _USER_ERRORS = (ValueError, FileNotFoundError, ImportError,
                 datasets.DatasetUnavailableError,
-                checkpoints.CheckpointRestoreError, checkpoints.WorkdirError,
-                FloatingPointError, models.ViTInputError)
+                orbax_checkpoints.CheckpointRestoreError, orbax_checkpoints.WorkdirError,
+                FloatingPointError, vit.ViTInputError)
 _MODES = ("train", "summary", "curves", "report", "attention", "predict")
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -64,7 +71,7 @@ _LAYER = flags.DEFINE_integer("layer", -1, "attention: layer of the "
                               "per-head maps (-1: the last).")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None,
                                   "Where figures go; default WORKDIR/figures.")
-# Several processes (hosts) in one run; see vit_jax/multihost.py.
+# Several processes (hosts) in one run; see vit_jax/runtime/multihost.py.
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None,
     "host:port of process 0, reachable by every process.")
@@ -81,7 +88,7 @@ _MULTIHOST = flags.DEFINE_bool(
 def _inspect(mode: str, config, workdir: str) -> None:
   """The non-training modes."""
   if mode == "summary":
-    print(tools.summary(config, validation.num_classes_of(config)))
+    print(tools.summary(config, config_lib.num_classes_of(config)))
     return
   output_dir = _OUTPUT_DIR.value or os.path.join(workdir, "figures")
   os.makedirs(output_dir, exist_ok=True)
@@ -132,7 +139,7 @@ def main(argv):
       return
     if jax.process_index() == 0:
       print(f"Config {config_path}, workdir {workdir}", flush=True)
-    metrics = train.train_and_evaluate(_CONFIG.value, workdir)
+    metrics = loop.train_and_evaluate(_CONFIG.value, workdir)
   except preemption.Preempted as e:
     print(e, file=sys.stderr, flush=True)
     sys.exit(e.exit_code)

@@ -9,7 +9,7 @@ batch 128), alternating `--config.cpu_devices=0` (one device, operations
 split between threads) and `--config.cpu_devices=-1` (one device per
 core, the batch split between them) for --rounds rounds, so machine noise
 hits both alike; with main.py's malloc settings (huge pages, and tcmalloc
-if installed; vit_jax/host.py) unless GLIBC_TUNABLES / LD_PRELOAD are
+if installed; vit_jax/runtime/host.py) unless GLIBC_TUNABLES / LD_PRELOAD are
 set. Prints images/s and compile time per process, and ends with
 
   summary: per_core_over_one_device=1.31 one_device=305.2 per_core=399.8
@@ -25,7 +25,7 @@ import sys
 
 from absl import app, flags
 
-from vit_jax import host
+from vit_jax.runtime import host
 
 _CONFIG = flags.DEFINE_string("config", "configs/vit_fashion_mnist_15min.py",
                               "Config whose train step is measured.")
@@ -87,4 +87,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  host.default_xla_flags()  # vit_jax's measured XLA:CPU flags, as main.py
   app.run(main)

@@ -2,7 +2,7 @@ r"""Trains a config on Fashion-MNIST against the clock; test accuracy vs time.
 
   python benchmarks/fashion_mnist.py --config=configs/vit_fashion_mnist_15min.py
 
-Runs `train.train_and_evaluate` in a fresh workdir (default: a temporary
+Runs `loop.train_and_evaluate` in a fresh workdir (default: a temporary
 folder) on the Debian Fashion-MNIST files, timing from before the data is
 read, so loading and compilation count. Prints each evaluation's test
 accuracy (and the EMA params' when the config keeps them) against elapsed
@@ -15,7 +15,7 @@ test_accuracy is the final evaluation's: the EMA params' if the config has
 ema_decay > 0 (that is the model such a config delivers), else the params'.
 Any config key can be overridden as in main.py (--config.num_epochs=2).
 Like main.py it restarts itself once with a faster malloc
-(vit_jax/host.py); unlike main.py it leaves the persistent compilation
+(vit_jax/runtime/host.py); unlike main.py it leaves the persistent compilation
 cache off, so every run pays its compilation inside the budget.
 """
 
@@ -26,7 +26,9 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from vit_jax import host, metric_writer, plots, train
+from vit_jax.inspection import plots
+from vit_jax.runtime import host
+from vit_jax.training import loop, metric_writer
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/vit_fashion_mnist_15min.py", "Config to train.",
@@ -52,7 +54,7 @@ def main(argv):
                          "fashion_mnist configs.")
   workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="fashion_mnist_")
   start = time.time()
-  final = train.train_and_evaluate(config, workdir)
+  final = loop.train_and_evaluate(config, workdir)
   wall_minutes = (time.time() - start) / 60
   curve = accuracy_curve(workdir, start)
   print("\n| epoch | minutes | test accuracy | EMA test accuracy |")
@@ -73,5 +75,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  host.default_xla_flags()  # vit_jax's measured XLA:CPU flags, as main.py
   host.reexec_with_fast_malloc()
   app.run(main)

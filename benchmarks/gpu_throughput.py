@@ -48,7 +48,7 @@ ROUNDS, STEPS_PER_ROUND, WARMUP_STEPS = 3, 10, 3
 
 def model_dims(name: str) -> dict:
   """hidden_size, num_layers, num_heads, mlp_dim, patch_size of a variant."""
-  from vit_jax import variants  # pylint: disable=import-outside-toplevel
+  from vit_jax.model import variants  # pylint: disable=import-outside-toplevel
   return dict(variants.VARIANTS[name])
 
 
@@ -101,7 +101,9 @@ def jax_worker(name: str, mode: str, batch: int, profile_dir: str = ""
   import functools  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from vit_jax import optim, sharding, steps, variants  # pylint: disable=import-outside-toplevel
+  from vit_jax.model import variants  # pylint: disable=import-outside-toplevel
+  from vit_jax.runtime import sharding
+  from vit_jax.training import optim, steps
 
   model_config = variants.get_variant(name)
   model_config.dtype = "bfloat16"
@@ -365,7 +367,7 @@ def main():
         results[name, mode, library] = spawn(
             [f"--worker_kind={library}", f"--model={name}", f"--mode={mode}"]
             + ([f"--profile={args.profile}"] if profile else []))
-  print(f"\nCommand: python benchmarks/gpu_throughput.py"
+  print("\nCommand: python benchmarks/gpu_throughput.py"
         + (f" --models={args.models}" if args.models != ",".join(MODELS)
            else "") + (f" --modes={args.modes}" if args.modes != ",".join(
                MODES) else "") + (f" --profile={args.profile}"

@@ -35,7 +35,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from vit_jax import metric_writer, pretrained  # pylint: disable=g-import-not-at-top,wrong-import-position
+from vit_jax.checkpoints import pretrained  # pylint: disable=g-import-not-at-top,wrong-import-position
+from vit_jax.training import metric_writer
 
 _CONFIG = flags.DEFINE_string("config", "configs/vit_tiny_fashion_mnist.py",
                               "Config file to train.")
@@ -123,4 +124,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
+  host.default_xla_flags()  # vit_jax's measured XLA:CPU flags, as main.py
   app.run(main)

@@ -7,7 +7,7 @@ For each model and each way of running the encoder blocks (plain loop,
 `scan_blocks`, `remat_blocks`, both), on one device, float32, 224 px (the
 small-image variants at their own 32 or 28 px; batch 32, or 128 there):
 - trace s, compile s: `jit(train_step).lower()` and `.compile()` of the real
-  train step (AdamW, the `configs.base_config` recipe);
+  train step (AdamW, the `config_lib.base_config` recipe);
 - step temp: XLA's scratch memory of that step (activations, gradients),
   from `memory_analysis()` of the compiled program, which is never run;
 - state: parameters + AdamW state, the same for every mode;
@@ -25,7 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from vit_jax import configs, optim, sharding, steps, variants
+from vit_jax import config as config_lib
+from vit_jax.model import variants
+from vit_jax.runtime import sharding
+from vit_jax.training import optim, steps
 
 _MODELS = flags.DEFINE_list("models", ["ViT-Ti/4", "ViT-L/16", "ViT-H/14"],
                             "Variants to analyse.")
@@ -53,7 +56,7 @@ def image_size_and_batch(name: str) -> tuple[int, int]:
 def compile_step(name: str, scan_blocks: bool, remat_blocks: bool,
                  batch: int) -> dict:
   """AOT-compiles one train step of `name` on abstract inputs."""
-  config = configs.base_config(name)
+  config = config_lib.base_config(name)
   config.model.scan_blocks = scan_blocks
   config.model.remat_blocks = remat_blocks
   size, _ = image_size_and_batch(name)
@@ -126,4 +129,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
+  host.default_xla_flags()  # vit_jax's measured XLA:CPU flags, as main.py
   app.run(main)

@@ -25,7 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from vit_jax import configs, optim, sharding, steps, variants
+from vit_jax import config as config_lib
+from vit_jax.model import variants
+from vit_jax.runtime import sharding
+from vit_jax.training import optim, steps
 
 _MODELS = flags.DEFINE_list("models", ["ViT-L/16", "ViT-H/14"],
                             "Variants to analyse.")
@@ -45,7 +48,7 @@ def _bytes_per_device(tree) -> int:
 
 def analyse(name: str, mesh_config: dict, batches_per_device: list[int],
             train_step: bool) -> dict:
-  config = configs.base_config(name)
+  config = config_lib.base_config(name)
   config.mesh = mesh_config  # the train step reduces FSDP leaves in place
   model = variants.build_model(config.model, 1000)
   schedule = optim.learning_rate_schedule(config, 10_000, 100)
@@ -123,4 +126,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
+  host.default_xla_flags()  # vit_jax's measured XLA:CPU flags, as main.py
   app.run(main)

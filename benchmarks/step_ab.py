@@ -10,7 +10,7 @@ r"""Two variants of vit_jax's train step, side by side in one process.
 Compiles the train step of benchmarks/throughput.py's vit_jax worker (same
 dims, batch, AdamW, a device per core unless --cpu_devices says otherwise)
 for two variants of the model, A and B, each a JSON dict of
-`models.VisionTransformer` fields over those dims, then steps them
+`vit.VisionTransformer` fields over those dims, then steps them
 alternately (A B, B A, A B, ...). Fresh processes differ by 8-15% on these
 machines; alternating steps in one process see the same machine state, so a
 difference of a few percent shows. --a_softmax / --b_softmax pick the
@@ -35,7 +35,7 @@ median step, then
   summary: b_over_a_step=… a_temp_mib=… b_temp_mib=…
 where b_over_a_step is the median over pairs of B's step time over A's
 (below 1: B is faster). Like main.py it restarts itself once with a faster
-malloc (vit_jax/host.py).
+malloc (vit_jax/runtime/host.py).
 """
 
 import contextlib
@@ -50,11 +50,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import throughput  # this folder's: the worker's model, dims and batch
-from vit_jax import attention, host, matmuls, models, optim, sharding, steps
+from vit_jax.kernels import attention, matmuls
+from vit_jax.model import vit
+from vit_jax.runtime import host, sharding
+from vit_jax.training import optim, steps
 
 OUR_SOFTMAX = attention.softmax
 OUR_KERNEL_GRADIENT = matmuls.kernel_gradient
-# The attention core's two products in models.MultiHeadSelfAttention.
+# The attention core's two products in vit.MultiHeadSelfAttention.
 LOGITS_SPEC, WEIGHTED_SUM_SPEC = "bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"
 
 
@@ -145,7 +148,7 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
     # Both replace parts of the einsums, which "auto" skips on a CPU with
     # the C++ kernel.
     fields = dict({"attention_implementation": "einsum"}, **fields)
-  model = models.VisionTransformer(num_classes=throughput.NUM_CLASSES,
+  model = vit.VisionTransformer(num_classes=throughput.NUM_CLASSES,
                                    patch_size=patch,
                                    **dict(throughput.DIMS, **fields))
   state = steps.create_train_state(model, (size, size, 3), optim.adamw(
@@ -216,5 +219,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  host.default_xla_flags()  # vit_jax's measured XLA:CPU flags, as main.py
   host.reexec_with_fast_malloc()
   app.run(main)

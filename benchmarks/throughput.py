@@ -19,7 +19,7 @@ PyTorch variant of each workload again, in the other order, and those two are
 compared by the mean of their two rounds (the machine's noise is +-10%).
 
 All workers run with the same environment: main.py's malloc settings
-(vit_jax/host.py: GLIBC_TUNABLES=glibc.malloc.hugetlb=1, transparent huge
+(vit_jax/runtime/host.py: GLIBC_TUNABLES=glibc.malloc.hugetlb=1, transparent huge
 pages for large blocks, and LD_PRELOAD of tcmalloc if it is installed, e.g.
 `apt-get install libtcmalloc-minimal4`), unless --no-fast_malloc or the
 caller set those variables. They speed PyTorch up too, so the comparison is
@@ -104,7 +104,7 @@ def jit_train_step():
   rate fixed, no label smoothing, the state donated."""
   import functools  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
-  from vit_jax import steps  # pylint: disable=import-outside-toplevel
+  from vit_jax.training import steps  # pylint: disable=import-outside-toplevel
   return jax.jit(functools.partial(
       steps.train_step, preprocess=preprocess, label_smoothing=0.0,
       learning_rate_fn=lambda step: 1e-3), donate_argnums=0)
@@ -115,13 +115,16 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
   """vit_jax's real train_step (or apply) on random data; returns metrics."""
   import jax
   import jax.numpy as jnp
-  from vit_jax import introspect, models, optim, sharding, steps
+  from vit_jax.inspection import introspect
+  from vit_jax.model import vit
+  from vit_jax.runtime import sharding
+  from vit_jax.training import optim, steps
 
   size, patch, _, _ = MODELS.get(model_name, (0, 0, 0, 0))
   size, patch = image_size or size, patch_size or patch
   batch = worker_batch(model_name, mode, batch)
   dims = dict(DIMS, num_layers=num_layers or DIMS["num_layers"])
-  model = models.VisionTransformer(num_classes=NUM_CLASSES, patch_size=patch,
+  model = vit.VisionTransformer(num_classes=NUM_CLASSES, patch_size=patch,
                                    **dims)
   rng = np.random.default_rng(0)
   mesh = sharding.make_mesh()  # one device unless --cpu_devices splits
@@ -236,7 +239,7 @@ def dense_product_fn(library: str, product: str):
   if library == "jax":
     import jax  # pylint: disable=import-outside-toplevel
     from jax import lax  # pylint: disable=import-outside-toplevel
-    from vit_jax import matmuls  # pylint: disable=import-outside-toplevel
+    from vit_jax.kernels import matmuls  # pylint: disable=import-outside-toplevel
     if product == "x^T.dy":
       return jax.jit(matmuls.kernel_gradient)
     lhs_dim, rhs_dim = {"x.W": (1, 0), "dy.W^T": (1, 1)}[product]
@@ -251,7 +254,6 @@ def gemm_worker(library: str) -> dict:
   each Dense product at ViT-Ti's widths (keys "x.W 6304x192x576" and so
   on)."""
   if library == "jax":
-    import vit_jax  # its XLA:CPU flags, as in the vit_jax workers
     import jax
     put, finish = jax.device_put, lambda result: result.block_until_ready()
   else:
@@ -337,7 +339,7 @@ def main():
     if args.impl.startswith("gemm-"):
       result = gemm_worker(args.impl[5:])
     elif args.impl == "vit_jax":
-      from vit_jax import host  # pylint: disable=g-import-not-at-top
+      from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
       host.split_cpu_into_devices(  # before JAX starts
           args.cpu_devices, (worker_batch(args.model, args.mode, args.batch),))
       result = jax_worker(args.model, args.mode, args.steps, args.image_size,
@@ -348,7 +350,7 @@ def main():
     os._exit(0)  # skips tearing down torch or JAX: up to ~1.3 s a worker
 
   env = dict(os.environ)
-  from vit_jax import host  # pylint: disable=g-import-not-at-top
+  from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
   if args.fast_malloc:
     env.update(host.fast_malloc_environment(env, host.find_tcmalloc()))
   # torch.compile's cache beside vit_jax's XLA cache, not in /tmp (which
@@ -415,7 +417,7 @@ def main():
                   f"{dense['torch'][product]:.0f} "
                   f"({dense['jax'][product] / dense['torch'][product]:.2f})"
                   for product in DENSE_PRODUCTS))
-  print(f"vit_jax's XLA flags (vit_jax/host.py): "
+  print(f"vit_jax's XLA flags (vit_jax/runtime/host.py): "
         f"{results[workloads[0] + ('vit_jax',)][0]['xla_flags']}")
   print(f"malloc, every worker: GLIBC_TUNABLES={env.get('GLIBC_TUNABLES', '')}"
         f" LD_PRELOAD={env.get('LD_PRELOAD', '')}")
@@ -469,4 +471,6 @@ def main():
 
 
 if __name__ == "__main__":
+  from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
+  host.default_xla_flags()  # vit_jax's measured XLA:CPU flags, as main.py
   main()

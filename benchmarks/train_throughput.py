@@ -11,7 +11,7 @@ one process, interleaving the two so machine noise hits both alike:
               uint8 images, transfer, on-device augmentation), as in training.
 Prints the compile time, images/s (median over steps) of both, and their
 ratio: a ratio near 1.00 means the input pipeline is not the bottleneck.
-Like main.py it restarts itself once with a faster malloc (vit_jax/host.py).
+Like main.py it restarts itself once with a faster malloc (vit_jax/runtime/host.py).
 """
 
 import statistics
@@ -22,8 +22,12 @@ from ml_collections import config_flags
 import jax
 import numpy as np
 
-from vit_jax import (datasets, host, input_pipeline, introspect, optim,
-                     sharding, steps, validation, variants)
+from vit_jax import config as config_lib
+from vit_jax.data import datasets, input_pipeline
+from vit_jax.inspection import introspect
+from vit_jax.model import variants
+from vit_jax.runtime import host, sharding
+from vit_jax.training import optim, steps
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/vit_tiny_cifar.py",
                                           "Config whose model is measured.")
@@ -37,7 +41,7 @@ def main(_):
   config = _CONFIG.value
   host.split_cpu_into_devices(config.cpu_devices,  # before JAX starts
                              (_BATCH.value,))
-  height, width, channels = validation.image_shape_of(config)
+  height, width, channels = config_lib.image_shape_of(config)
   num_classes = (datasets.SPECS[config.dataset].num_classes
                  if config.dataset in datasets.SPECS else
                  config.synthetic.num_classes)
@@ -102,5 +106,6 @@ def main(_):
 
 
 if __name__ == "__main__":
+  host.default_xla_flags()  # vit_jax's measured XLA:CPU flags, as main.py
   host.reexec_with_fast_malloc()  # as main.py trains
   app.run(main)

@@ -21,7 +21,7 @@ trains at 0.33 images/s (measured with the smoke run below), so one
 512-image step would take ~26 minutes. What runs here, to show it works
 (1 min 45 s, 5 GB peak RSS):
 
-  python -m vit_jax.convert --random_init=ViT-B/16 --num_classes=21843 \
+  python -m vit_jax.checkpoints.convert --random_init=ViT-B/16 --num_classes=21843 \
       --representation_size=768 --output=/tmp/ViT-B_16-random.npz
   python main.py --config=configs/vit_b16_finetune_cifar10.py \
       --config.init_from=/tmp/ViT-B_16-random.npz --config.dataset=synthetic \
@@ -33,11 +33,11 @@ by default) with the same update; raise it if a device runs out of memory.
 On GPU/TPU add --config.model.dtype=bfloat16.
 """
 
-from vit_jax import configs
+from vit_jax import config as config_lib
 
 
 def get_config():
-  config = configs.base_config("ViT-B/16")
+  config = config_lib.base_config("ViT-B/16")
   config.dataset = "cifar10"
   config.init_from = "ViT-B_16.npz"  # pass the real path on the command line
   config.posemb_resize = "bilinear"

@@ -41,11 +41,11 @@ epochs, 91.38% (EMA 91.38%) in 14.8. See the README's "Training recipes for
 small data".
 """
 
-from vit_jax import configs
+from vit_jax import config as config_lib
 
 
 def get_config():
-  config = configs.base_config("ViT-Micro/4")
+  config = config_lib.base_config("ViT-Micro/4")
   config.dataset = "fashion_mnist"
   config.model.num_layers = 4  # epochs pay more than depth in 15 minutes
   config.model.classifier = "gap"

@@ -47,11 +47,11 @@ shift, or sharpness-aware minimisation did not raise it (90.5%, 89.5%,
 90.4%).
 """
 
-from vit_jax import configs
+from vit_jax import config as config_lib
 
 
 def get_config():
-  config = configs.base_config("ViT-Micro/4")
+  config = config_lib.base_config("ViT-Micro/4")
   config.dataset = "fashion_mnist"
   config.model.classifier = "gap"
   config.model.posemb = "sincos2d"

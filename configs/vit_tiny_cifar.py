@@ -38,11 +38,11 @@ so train it on a GPU/TPU. On a CPU it runs a device per core
 eight pairs (README, "Speed on a CPU").
 """
 
-from vit_jax import configs
+from vit_jax import config as config_lib
 
 
 def get_config():
-  config = configs.base_config("ViT-Ti/4")
+  config = config_lib.base_config("ViT-Ti/4")
   config.dataset = "cifar10"
   config.num_epochs = 200
   config.warmup_epochs = 10.0

@@ -14,11 +14,11 @@ including data loading and compilation (~210 images/s). With random crops
 augmentation costs more fitting than it buys.
 """
 
-from vit_jax import configs
+from vit_jax import config as config_lib
 
 
 def get_config():
-  config = configs.base_config("ViT-Mini/4")
+  config = config_lib.base_config("ViT-Mini/4")
   config.dataset = "fashion_mnist"
   config.num_epochs = 5
   config.warmup_epochs = 0.5

@@ -20,6 +20,11 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
 
 import pytest  # noqa: E402
 
+from vit_jax.runtime import host  # noqa: E402
+
+# The XLA:CPU flags main.py applies, so tests run the programs users run.
+host.default_xla_flags()
+
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 
 

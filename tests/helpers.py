@@ -4,8 +4,9 @@ import logging
 
 import jax
 
-from vit_jax import configs, train
-from vit_jax.models import VisionTransformer
+from vit_jax import config as config_lib
+from vit_jax.training import loop
+from vit_jax.model.vit import VisionTransformer
 
 
 def small_vit(**overrides) -> VisionTransformer:
@@ -18,7 +19,7 @@ def small_vit(**overrides) -> VisionTransformer:
 
 def small_config(**overrides):
   """A 2-layer, 32-wide ViT on 16x16 synthetic data: compiles in seconds."""
-  config = configs.base_config("ViT-Mini/4")
+  config = config_lib.base_config("ViT-Mini/4")
   config.model.hidden_size = 32
   config.model.num_layers = 2
   config.model.num_heads = 2
@@ -37,11 +38,11 @@ def small_config(**overrides):
 
 
 def train_counting_compiles(config, workdir, caplog):
-  """train.train_and_evaluate(config, workdir) -> (its metrics, the names of
+  """loop.train_and_evaluate(config, workdir) -> (its metrics, the names of
   the jitted functions it compiled, in order, e.g. "jit(train_step)")."""
   caplog.set_level(logging.WARNING, logger="jax")
   with jax.log_compiles():
-    metrics = train.train_and_evaluate(config, workdir)
+    metrics = loop.train_and_evaluate(config, workdir)
   return metrics, [r.getMessage().split(" with ")[0].removeprefix("Compiling ")
                    for r in caplog.records
                    if r.getMessage().startswith("Compiling ")]

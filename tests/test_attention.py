@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vit_jax import attention, cpu_attention, models
+from vit_jax.kernels import attention, cpu_attention
+from vit_jax.model import vit
 
 # head_dim 12: 1/sqrt(12) is inexact, so scaling the query first (einsums)
 # and the logits after (jax.nn.dot_product_attention) round differently.
@@ -24,7 +25,7 @@ def _params_and_images(**overrides):
   parameter matters) and images, drawn in NumPy: nothing to compile."""
   rng = np.random.default_rng(0)
   images = rng.standard_normal((3, 12, 12, 3)).astype(np.float32)
-  shapes = jax.eval_shape(models.VisionTransformer(**_DIMS, **overrides).init,
+  shapes = jax.eval_shape(vit.VisionTransformer(**_DIMS, **overrides).init,
                           jax.random.key(1), images)
   params = jax.tree.map(
       lambda leaf: 0.3 * rng.standard_normal(leaf.shape).astype(np.float32),
@@ -39,7 +40,7 @@ def test_xla_dot_product_attention_gives_the_einsums_values(classifier):
   params, images = _params_and_images(classifier=classifier)
 
   def logits_and_grads(implementation):  # ((loss, logits), grads)
-    model = models.VisionTransformer(
+    model = vit.VisionTransformer(
         **_DIMS, classifier=classifier,
         attention_implementation=implementation)
 
@@ -65,7 +66,7 @@ def test_auto_on_cpu_traces_the_einsums_where_the_kernel_cannot_run():
   itself: tests/test_cpu_attention.py)."""
   params, images = _params_and_images()
   jaxpr = lambda implementation: str(jax.make_jaxpr(
-      models.VisionTransformer(
+      vit.VisionTransformer(
           **_DIMS, attention_implementation=implementation).apply)(
               params, images))
   assert jaxpr("auto") == jaxpr("einsum")
@@ -74,7 +75,7 @@ def test_auto_on_cpu_traces_the_einsums_where_the_kernel_cannot_run():
 
 def test_attention_maps_are_captured_whatever_the_implementation():
   params, images = _params_and_images()
-  model = models.VisionTransformer(**_DIMS, attention_implementation="xla")
+  model = vit.VisionTransformer(**_DIMS, attention_implementation="xla")
   logits, state = model.apply(params, images, mutable=["intermediates"])
   chex.assert_trees_all_close(logits, model.apply(params, images),
                               atol=1e-5, rtol=1e-5)
@@ -86,17 +87,17 @@ def test_attention_maps_are_captured_whatever_the_implementation():
 
 def test_forced_implementations_refuse_what_they_cannot_compute():
   params, images = _params_and_images()
-  dropout = models.VisionTransformer(**_DIMS, attention_dropout_rate=0.1,
+  dropout = vit.VisionTransformer(**_DIMS, attention_dropout_rate=0.1,
                                      attention_implementation="xla")
   dropout.apply(params, images)  # evaluation: no dropout, runs
   with pytest.raises(ValueError, match="attention dropout.*'auto'"):
     dropout.apply(params, images, train=True,
                   rngs={"dropout": jax.random.key(3)})
   with pytest.raises(ValueError, match="needs a CUDA GPU.*'cpu'"):
-    models.VisionTransformer(**_DIMS, attention_implementation="cudnn").apply(
+    vit.VisionTransformer(**_DIMS, attention_implementation="cudnn").apply(
         params, images)
   with pytest.raises(ValueError, match="Unknown attention_implementation"):
-    models.VisionTransformer(**_DIMS, attention_implementation="flash").apply(
+    vit.VisionTransformer(**_DIMS, attention_implementation="flash").apply(
         params, images)
 
 

@@ -7,7 +7,7 @@ import pytest
 import scipy.stats
 from PIL import Image, ImageEnhance, ImageOps
 
-from vit_jax import augment, mixing, randaugment
+from vit_jax.data import augment, mixing, randaugment
 
 OPS = randaugment.OPS
 

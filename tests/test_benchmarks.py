@@ -167,7 +167,7 @@ def test_step_ab_kernel_gradients_agree():
     import step_ab  # pylint: disable=import-outside-toplevel
   finally:
     sys.path.pop(0)
-  from vit_jax import matmuls  # pylint: disable=import-outside-toplevel
+  from vit_jax.kernels import matmuls  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(0)
   for depth, width in ((6, 20), (20, 6)):
     inputs = rng.normal(size=(30, depth)).astype(np.float32)
@@ -189,8 +189,8 @@ def test_step_ab_elementwise_core_takes_the_attention_core_out():
     import step_ab  # pylint: disable=import-outside-toplevel
   finally:
     sys.path.pop(0)
-  from vit_jax import models  # pylint: disable=import-outside-toplevel
-  model = models.VisionTransformer(num_classes=3, patch_size=4, hidden_size=12,
+  from vit_jax.model import vit  # pylint: disable=import-outside-toplevel
+  model = vit.VisionTransformer(num_classes=3, patch_size=4, hidden_size=12,
                                    num_layers=2, num_heads=2, mlp_dim=24)
   images = jnp.ones((2, 16, 16, 3))  # 16 patches + the class token
   params = model.init(jax.random.PRNGKey(0), images)["params"]
@@ -275,7 +275,8 @@ def test_gpu_benchmark_flops_agree_with_xlas_count(name):
   elementwise work: softmax, GELU, LayerNorm)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from vit_jax import introspect, variants  # pylint: disable=import-outside-toplevel
+  from vit_jax.inspection import introspect  # pylint: disable=import-outside-toplevel
+  from vit_jax.model import variants
   gpu_throughput = _benchmark_module("gpu_throughput")
   model = variants.build_model(variants.get_variant(name), 1000)
   params = jax.tree.map(

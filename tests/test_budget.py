@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from helpers import small_config, train_counting_compiles
-from vit_jax import budget, metric_writer, optim, pretrained, train
+from vit_jax.checkpoints import pretrained
+from vit_jax.training import budget, loop, metric_writer, optim
 
 
 def _trainer_saves(done, total, every_steps):
@@ -287,7 +288,7 @@ def test_plan_file_round_trip_and_damage(tmp_path):
 def test_negative_budget_is_rejected(tmp_path):
   config = small_config(time_budget_minutes=-1.0)
   with pytest.raises(ValueError, match="time_budget_minutes=-1.0 must be"):
-    train.train_and_evaluate(config, str(tmp_path))
+    loop.train_and_evaluate(config, str(tmp_path))
 
 
 @pytest.mark.slow
@@ -304,7 +305,7 @@ def test_budgeted_run_equals_a_run_configured_with_its_planned_steps(
                   log_every_steps=10, checkpoint_every_steps=10_000,
                   time_budget_minutes=1.25)
   workdir = str(tmp_path / "budget")
-  train.train_and_evaluate(small_config(**settings), workdir)
+  loop.train_and_evaluate(small_config(**settings), workdir)
   log = capsys.readouterr().out
   with open(os.path.join(workdir, budget.PLAN_FILE)) as f:
     plan = json.load(f)
@@ -319,12 +320,12 @@ def test_budgeted_run_equals_a_run_configured_with_its_planned_steps(
   assert last["step"] == planned
 
   reference = str(tmp_path / "fixed")
-  train.train_and_evaluate(small_config(**dict(
+  loop.train_and_evaluate(small_config(**dict(
       settings, num_train_steps=planned, time_budget_minutes=0.0)), reference)
   chex.assert_trees_all_close(pretrained.load_params(workdir, 2)[0],
                               pretrained.load_params(reference, 2)[0],
                               rtol=1e-6, atol=1e-7)
 
   # Resumed (here: already done), the run reads its plan, whatever the speed.
-  train.train_and_evaluate(small_config(**settings), workdir)
+  loop.train_and_evaluate(small_config(**settings), workdir)
   assert f"training to step {planned}, as planned in" in capsys.readouterr().out

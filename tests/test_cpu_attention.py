@@ -1,4 +1,4 @@
-"""vit_jax's C++ attention kernel for XLA:CPU (`vit_jax.cpu_attention`):
+"""vit_jax's C++ attention kernel for XLA:CPU (`vit_jax.kernels.cpu_attention`):
 values and gradients against a float64 NumPy reference, vmap, sharding, the
 model taking it, and the build's failures (where "auto" picks it:
 test_attention.py)."""
@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vit_jax import cpu_attention, models, sharding
+from vit_jax.kernels import cpu_attention
+from vit_jax.model import vit
+from vit_jax.runtime import sharding
 
 pytestmark = pytest.mark.skipif(
     cpu_attention.problem(jnp.float32, 64) is not None,
@@ -141,12 +143,12 @@ def test_the_model_takes_the_kernel_on_cpu_with_the_einsums_values(
   images = rng.standard_normal((3, 12, 12, 3)).astype(np.float32)
   params = jax.tree.map(
       lambda leaf: 0.3 * rng.standard_normal(leaf.shape).astype(np.float32),
-      jax.eval_shape(models.VisionTransformer(**_DIMS,
+      jax.eval_shape(vit.VisionTransformer(**_DIMS,
                                               classifier=classifier).init,
                      jax.random.key(0), images))
 
   def run(implementation):
-    model = models.VisionTransformer(
+    model = vit.VisionTransformer(
         **_DIMS, classifier=classifier,
         attention_implementation=implementation)
     loss = lambda params: jnp.sum(jnp.sin(model.apply(params, images)))

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vit_jax import (augment, configs, datasets, input_pipeline, raw_files,
-                     sharding)
+from vit_jax import config as config_lib
+from vit_jax.data import augment, datasets, input_pipeline, raw_files
+from vit_jax.runtime import sharding
 
 
 def _idx_bytes(array: np.ndarray) -> bytes:
@@ -127,7 +128,7 @@ def test_real_fashion_mnist(fashion_mnist_dir):
 
 
 def test_missing_dataset_says_what_was_tried_and_how_to_fix(tmp_path):
-  config = configs.base_config()
+  config = config_lib.base_config()
   config.dataset = "cifar10"
   config.raw_data_dir = str(tmp_path / "nothing_here")
   config.data_dir = str(tmp_path / "tfds")

@@ -8,10 +8,12 @@ import optax
 import pytest
 
 from helpers import small_config
-from vit_jax import (datasets, input_pipeline, npz_checkpoints, optim,
-                     pretrained, sharding, state_dict_files, steps,
-                     torch_checkpoints, train, variants)
-from vit_jax.models import VisionTransformer
+from vit_jax.checkpoints import npz, pretrained, state_dict_files, torch_state_dicts
+from vit_jax.data import datasets, input_pipeline
+from vit_jax.model import variants
+from vit_jax.runtime import sharding
+from vit_jax.training import loop, optim, steps
+from vit_jax.model.vit import VisionTransformer
 
 
 def _config(**overrides):
@@ -102,7 +104,7 @@ def test_unknown_choices_are_rejected_before_data(tmp_path):
                      raw_data_dir=str(tmp_path))
     config[key] = value
     with pytest.raises(ValueError, match=message):
-      train.train_and_evaluate(config, str(tmp_path / "work"))
+      loop.train_and_evaluate(config, str(tmp_path / "work"))
 
 
 def test_init_from_npz_resizes_reheads_and_reports(tmp_path, capsys, caplog):
@@ -116,11 +118,11 @@ def test_init_from_npz_resizes_reheads_and_reports(tmp_path, capsys, caplog):
   params = source.init(jax.random.PRNGKey(7), np.zeros((1, 16, 16, 3)))[
       "params"]
   path = str(tmp_path / "pretrained.npz")
-  npz_checkpoints.save_npz(params, path)
+  npz.save_npz(params, path)
   config = _config(init_from=path, image_size=32, learning_rate=0.0,
                    end_learning_rate=0.0, num_train_steps=2,
                    normalization="inception")
-  train.train_and_evaluate(config, str(tmp_path / "work"))
+  loop.train_and_evaluate(config, str(tmp_path / "work"))
   log = capsys.readouterr().out
   assert f"Initialised from {path} (npz)" in log
   assert "resized (1, 17, 32) -> (1, 65, 32)" in log
@@ -148,7 +150,7 @@ def test_init_from_refuses_mismatched_numerics(tmp_path):
       "params"]
   path = str(tmp_path / "timm.safetensors")
   state_dict_files.save_state_dict(
-      torch_checkpoints.export_state_dict(params, "timm"), path)
+      torch_state_dicts.export_state_dict(params, "timm"), path)
   with pytest.raises(ValueError, match="approximate_gelu=False"):
-    train.train_and_evaluate(_config(init_from=path),
+    loop.train_and_evaluate(_config(init_from=path),
                              str(tmp_path / "work"))

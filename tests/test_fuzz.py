@@ -12,8 +12,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from helpers import small_config
-from vit_jax import models, validation
-from vit_jax.models import VisionTransformer
+from vit_jax import config as config_lib
+from vit_jax.model import vit
+from vit_jax.model.vit import VisionTransformer
 
 _SETTINGS = settings(max_examples=20, deadline=None, derandomize=True,
                      suppress_health_check=[HealthCheck.too_slow])
@@ -29,15 +30,15 @@ def _check_model_input(shape, dtype, patch_size, classifier) -> str:
   init_shape = (1, 12, 12, 3)
   try:
     params = model.init(jax.random.PRNGKey(0), jnp.zeros(init_shape))
-  except models.ViTInputError as e:
+  except vit.ViTInputError as e:
     assert str(e)
-    assert 12 % patch_size or classifier not in models.CLASSIFIERS
+    assert 12 % patch_size or classifier not in vit.CLASSIFIERS
     return "rejected"
   images = jnp.asarray(np.random.default_rng(0).integers(0, 255, shape),
                        dtype)
   try:
     logits = model.apply(params, images)
-  except models.ViTInputError as e:
+  except vit.ViTInputError as e:
     assert str(e)
     # Rejected only if the input really differs from what the model takes.
     assert len(shape) != 4 or tuple(shape[1:]) != init_shape[1:]
@@ -107,7 +108,7 @@ def test_config_checks_accept_or_name_the_problem(overrides):
       node = config[parent]
     node[name] = value
   try:
-    validation.validate_config(config)
+    config_lib.validate_config(config)
   except ValueError as e:
     message = str(e)
     assert "config." in message, message  # names the offending key
@@ -117,6 +118,6 @@ def test_config_checks_accept_or_name_the_problem(overrides):
   assert config.batch_size % config.accum_steps == 0
   assert 0 <= config.label_smoothing < 1
   assert 0 <= config.model.patch_dropout_rate < 1
-  height = validation.image_shape_of(config)[0]
+  height = config_lib.image_shape_of(config)[0]
   assert height % config.model.patch_size == 0
   assert config.model.hidden_size % config.model.num_heads == 0

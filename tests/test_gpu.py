@@ -21,7 +21,10 @@ import optax
 import pytest
 
 import helpers
-from vit_jax import checkpoints, optim, sharding, steps, variants
+from vit_jax.checkpoints import orbax_checkpoints
+from vit_jax.model import variants
+from vit_jax.runtime import sharding
+from vit_jax.training import optim, steps
 
 pytestmark = pytest.mark.gpu
 
@@ -220,14 +223,14 @@ def test_scan_and_remat_blocks_give_the_same_loss(gpu):
 
 
 def _save(state, workdir):
-  manager = checkpoints.make_manager(str(workdir), max_to_keep=1)
-  checkpoints.save(manager, state)
-  checkpoints.finish(manager)
+  manager = orbax_checkpoints.make_manager(str(workdir), max_to_keep=1)
+  orbax_checkpoints.save(manager, state)
+  orbax_checkpoints.finish(manager)
 
 
 def _restore(fresh_state, workdir):
-  manager = checkpoints.make_manager(str(workdir), max_to_keep=1)
-  restored, step = checkpoints.restore_latest(manager, fresh_state)
+  manager = orbax_checkpoints.make_manager(str(workdir), max_to_keep=1)
+  restored, step = orbax_checkpoints.restore_latest(manager, fresh_state)
   manager.close()
   assert step is not None
   return restored
@@ -264,7 +267,8 @@ def test_checkpoint_moves_between_gpu_and_cpu_bit_exactly(gpu, tmp_path):
 _DETERMINISM_SCRIPT = """
 import json, jax, jax.numpy as jnp
 import helpers
-from vit_jax import optim, sharding, steps
+from vit_jax.runtime import sharding
+from vit_jax.training import optim, steps
 model = helpers.small_vit(num_layers=4, hidden_size=64, mlp_dim=128,
                           drop_path_rate=0.1, dropout_rate=0.1)
 state = steps.create_train_state(model, (32, 32, 3), optim.adamw(1e-3), 0,

@@ -1,4 +1,4 @@
-"""Process settings for speed (vit_jax/host.py) and compile-once training."""
+"""Process settings for speed (vit_jax/runtime/host.py) and compile-once training."""
 
 import json
 import logging
@@ -10,7 +10,8 @@ import jax
 import pytest
 
 from helpers import small_config
-from vit_jax import host, train
+from vit_jax.runtime import host
+from vit_jax.training import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +20,7 @@ _PROBE = """
 import os, sys
 print("start", os.getpid(), os.environ.get("GLIBC_TUNABLES"),
       os.environ.get("LD_PRELOAD"), flush=True)
-from vit_jax import host
+from vit_jax.runtime import host
 host.reexec_with_fast_malloc()
 print("after", os.getpid(), os.environ.get("GLIBC_TUNABLES"),
       os.environ.get("LD_PRELOAD"), sys.argv[1:], "jax" in sys.modules,
@@ -63,7 +64,7 @@ def test_reexec_restarts_once_with_fast_malloc_and_same_arguments():
   tcmalloc = str(host.find_tcmalloc())  # "None" where not installed
   assert lines[1][2:] == [host.HUGE_PAGES_TUNABLE, tcmalloc]
   assert lines[2][2:3] == [host.HUGE_PAGES_TUNABLE]
-  # The arguments are kept, and importing vit_jax.host loads no JAX.
+  # The arguments are kept, and importing vit_jax.runtime.host loads no JAX.
   assert lines[2][3] == f"{tcmalloc} ['a', '--b=1'] False"
 
 
@@ -78,7 +79,7 @@ def test_reexec_leaves_a_user_choice_alone():
 # fresh allocation each call) and prints the page faults of its later calls.
 _FAULTS = """
 import resource
-from vit_jax import host
+from vit_jax.runtime import host
 host.reexec_with_fast_malloc()
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum(0) + jnp.exp(x).sum(1))
@@ -106,8 +107,23 @@ def test_tcmalloc_reuses_xla_scratch_without_page_faults():
   assert sorted(tcmalloc)[len(tcmalloc) // 2] < 10, tcmalloc
 
 
+def test_importing_vit_jax_changes_no_process_setting():
+  """Importing the package and its trainer leaves XLA_FLAGS and the
+  compilation cache as they were; main.py applies its settings itself."""
+  code = ("import os, jax, vit_jax; from vit_jax.training import loop; "
+          "vit_jax.VisionTransformer; "
+          "print(repr(os.environ.get('XLA_FLAGS'))); "
+          "print(jax.config.jax_compilation_cache_dir)")
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  for name in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR"):
+    env.pop(name, None)
+  out = subprocess.run([sys.executable, "-c", code], env=env,
+                       capture_output=True, text=True, check=True).stdout
+  assert out.split() == ["None", "None"]
+
+
 def test_compilation_cache_defaults_to_the_user_cache_dir(tmp_path):
-  code = ("import jax; from vit_jax import host; "
+  code = ("import jax; from vit_jax.runtime import host; "
           "print(host.enable_compilation_cache()); "
           "print(jax.config.jax_compilation_cache_dir)")
   env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), PYTHONPATH=ROOT)
@@ -127,7 +143,7 @@ def test_compilation_cache_defaults_to_the_user_cache_dir(tmp_path):
 # Splits the CPU as asked, then prints what JAX sees and XLA_FLAGS.
 _SPLIT_PROBE = """
 import os, sys
-from vit_jax import host
+from vit_jax.runtime import host
 count, start_first = int(sys.argv[1]), sys.argv[2] == "start_first"
 if start_first:
   import jax; jax.devices()
@@ -196,7 +212,7 @@ def test_training_compiles_the_train_and_eval_steps_once(tmp_path, caplog):
   config = small_config(num_train_steps=13, eval_every_epochs=1)
   caplog.set_level(logging.WARNING, logger="jax")
   with jax.log_compiles():
-    train.train_and_evaluate(config, str(tmp_path))
+    loop.train_and_evaluate(config, str(tmp_path))
   compiled = [r.getMessage().split(" with ")[0] for r in caplog.records
               if r.getMessage().startswith("Compiling ")]
   assert compiled.count("Compiling jit(train_step)") == 1, compiled

@@ -12,8 +12,9 @@ import pytest
 from PIL import Image
 
 from helpers import small_config, small_vit
-from vit_jax import (introspect, metric_writer, reports, tools, train,
-                     variants)
+from vit_jax.inspection import introspect, reports, tools
+from vit_jax.model import variants
+from vit_jax.training import loop, metric_writer
 
 
 def _init(model, image_size=16, seed=0):
@@ -190,7 +191,7 @@ def test_flops_match_an_analytic_count():
 def trained_run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("run"))
   config = small_config(num_train_steps=8, checkpoint_every_steps=4)
-  metrics = train.train_and_evaluate(config, workdir)
+  metrics = loop.train_and_evaluate(config, workdir)
   return config, workdir, metrics
 
 

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from vit_jax import metric_writer, validation
+from vit_jax import config as config_lib
+from vit_jax.training import metric_writer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,7 +84,7 @@ def test_shipped_configs_are_valid(config, tmp_path):
   loaded = module.get_config()
   if loaded.init_from is not None:  # a file the user downloads
     loaded.init_from = str(tmp_path)
-  validation.validate_config(loaded)
+  config_lib.validate_config(loaded)
   assert loaded.is_locked
   # Each config documents the command that runs it (the trainer, or the
   # benchmark that measured it).
@@ -97,7 +98,7 @@ def test_finetune_config_runs_from_an_official_layout_checkpoint(tmp_path):
   .npz -> 384 px, new head, SGD with accumulation, on synthetic data."""
   npz = str(tmp_path / "ViT-B_16.npz")
   converted = subprocess.run(
-      [sys.executable, "-m", "vit_jax.convert", "--random_init=ViT-B/16",
+      [sys.executable, "-m", "vit_jax.checkpoints.convert", "--random_init=ViT-B/16",
        "--num_classes=21843", "--representation_size=768",
        f"--output={npz}"], cwd=ROOT, capture_output=True, text=True,
       timeout=600)
@@ -151,7 +152,7 @@ def test_main_inspection_modes_on_fashion_mnist(tmp_path, fashion_mnist_dir):
     assert os.path.exists(os.path.join(figures, f"{mode}.png"))
 
   from PIL import Image  # pylint: disable=g-import-not-at-top
-  from vit_jax import raw_files  # pylint: disable=g-import-not-at-top
+  from vit_jax.data import raw_files  # pylint: disable=g-import-not-at-top
   images, _ = raw_files.read_idx_split(fashion_mnist_dir, "test")
   images = images[:2]
   paths = []

@@ -1,4 +1,4 @@
-"""vit_jax.matmuls: the Dense layers' matmuls and their backward passes."""
+"""vit_jax.kernels.matmuls: the Dense layers' matmuls and their backward passes."""
 
 import re
 
@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vit_jax import matmuls, models
+from vit_jax.kernels import matmuls
+from vit_jax.model import vit
 
 _DENSE = (((1,), (0,)), ((), ()))
 
@@ -109,7 +110,7 @@ def test_mlp_kernel_gradients_have_the_narrow_side_as_rows():
   """In the compiled gradient of an MlpBlock (64 -> 256 -> 64) the first
   kernel's gradient is a (64, 256) product, not JAX's (256, 64) one, and
   the gradients equal those of Dense -> GELU -> Dense."""
-  mlp = models.MlpBlock(mlp_dim=256)
+  mlp = vit.MlpBlock(mlp_dim=256)
   x = jax.random.normal(jax.random.PRNGKey(0), (300, 64))
   params = mlp.init(jax.random.PRNGKey(1), x, deterministic=True)
 

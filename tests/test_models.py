@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 from jax import ad_checkpoint
 
-from vit_jax import models, variants
+from vit_jax.model import variants, vit
 
 
 def _tiny(**overrides):
   fields = dict(num_classes=5, patch_size=4, hidden_size=32, num_layers=2,
                 num_heads=4, mlp_dim=64)
   fields.update(overrides)
-  return models.VisionTransformer(**fields)
+  return vit.VisionTransformer(**fields)
 
 
 def _init(model, shape, seed=0):
@@ -359,7 +359,7 @@ def test_mlp_recomputes_its_gelu_for_the_backward_pass(approximate_gelu):
   (tokens, mlp_dim) residual instead of autodiff's several, and XLA's
   compiled scratch memory shrinks accordingly (the recomputation is not
   merged back into the forward pass)."""
-  mlp = models.MlpBlock(mlp_dim=256, approximate_gelu=approximate_gelu)
+  mlp = vit.MlpBlock(mlp_dim=256, approximate_gelu=approximate_gelu)
   x = jax.random.normal(jax.random.PRNGKey(1), (2048, 64))
   params = [jax.jit(mlp.init, static_argnames="deterministic")(
       jax.random.PRNGKey(seed), x, deterministic=True)["params"]
@@ -488,7 +488,7 @@ def test_encoder_computes_only_the_output_tokens_in_its_last_block(
   """num_output_tokens=1 (what the class-token model uses) gives the first
   token of the full encoder's output, and the same gradients, while the
   last block's queries, attention output and MLP run for that token only."""
-  encoder = lambda block_mode=mode, **kw: models.Encoder(
+  encoder = lambda block_mode=mode, **kw: vit.Encoder(
       num_layers=3, num_heads=4, mlp_dim=64, num_prefix_tokens=1,
       locality_attention=locality, **block_mode, **kw)
   tokens = jax.random.normal(jax.random.PRNGKey(0), (2, 17, 32))
@@ -606,19 +606,19 @@ def test_scan_blocks_still_captures_per_layer_intermediates():
 
 # ------------------------------------------------------------------ errors
 def test_patch_must_divide_image():
-  with pytest.raises(models.ViTInputError, match="not divisible by patch_size"):
+  with pytest.raises(vit.ViTInputError, match="not divisible by patch_size"):
     _init(_tiny(patch_size=5), (1, 32, 32, 3))
 
 
 def test_rank_must_be_four():
-  with pytest.raises(models.ViTInputError, match="rank 3"):
+  with pytest.raises(vit.ViTInputError, match="rank 3"):
     _init(_tiny(), (32, 32, 3))
 
 
 def test_channels_must_match_initialisation():
   model = _tiny()
   variables = _init(model, (1, 16, 16, 3))
-  with pytest.raises(models.ViTInputError, match="1 channels but the model "
+  with pytest.raises(vit.ViTInputError, match="1 channels but the model "
                      "was initialised with 3"):
     model.apply(variables, jnp.zeros((1, 16, 16, 1)))
 
@@ -626,12 +626,12 @@ def test_channels_must_match_initialisation():
 def test_image_size_must_match_position_embedding():
   model = _tiny()
   variables = _init(model, (1, 16, 16, 3))
-  with pytest.raises(models.ViTInputError, match="position embedding"):
+  with pytest.raises(vit.ViTInputError, match="position embedding"):
     model.apply(variables, jnp.zeros((1, 32, 32, 3)))
 
 
 def test_unknown_classifier_and_variant():
-  with pytest.raises(models.ViTInputError, match="Unknown classifier 'cls'"):
+  with pytest.raises(vit.ViTInputError, match="Unknown classifier 'cls'"):
     _init(_tiny(classifier="cls"), (1, 16, 16, 3))
   with pytest.raises(ValueError, match="Unknown ViT variant 'ViT-X/16'.*"
                      "ViT-B/16"):
@@ -639,7 +639,7 @@ def test_unknown_classifier_and_variant():
 
 
 def test_heads_must_divide_hidden_size():
-  with pytest.raises(models.ViTInputError, match="num_heads 5"):
+  with pytest.raises(vit.ViTInputError, match="num_heads 5"):
     _init(_tiny(num_heads=5), (1, 16, 16, 3))
 
 
@@ -650,7 +650,7 @@ def test_attention_matches_flax_multi_head_attention():
   official checkpoints map onto it), and the same outputs and input
   gradients up to float rounding."""
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 9, 24))
-  ours = models.MultiHeadSelfAttention(num_heads=3)
+  ours = vit.MultiHeadSelfAttention(num_heads=3)
   flax_attention = nn.MultiHeadDotProductAttention(
       num_heads=3, kernel_init=nn.initializers.xavier_uniform())
   params = ours.init(jax.random.PRNGKey(0), x, deterministic=True)

@@ -10,7 +10,9 @@ import chex
 import numpy as np
 import pytest
 
-from vit_jax import metric_writer, multihost, pretrained
+from vit_jax.checkpoints import pretrained
+from vit_jax.runtime import multihost
+from vit_jax.training import metric_writer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--config=configs/vit_tiny_fashion_mnist.py",

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from helpers import small_vit
-from vit_jax import npz_checkpoints, pretrained, variants
-from vit_jax.npz_checkpoints import CheckpointFormatError
+from vit_jax.checkpoints import npz, pretrained
+from vit_jax.model import variants
+from vit_jax.checkpoints.npz import CheckpointFormatError
 
 
 def _random_params(model, image_size=16, seed=0):
@@ -24,7 +25,7 @@ def _random_params(model, image_size=16, seed=0):
 
 def _big_vision_layout(params, scanned: bool, prefix: str):
   """Writes our tree the way big_vision names and stacks it."""
-  flat = npz_checkpoints.flatten(params)
+  flat = npz.flatten(params)
   out = {}
   rename = {"MultiHeadDotProductAttention_1": "MultiHeadDotProductAttention_0",
             "LayerNorm_2": "LayerNorm_1", "MlpBlock_3": "MlpBlock_0"}
@@ -55,7 +56,7 @@ def _assert_trees_equal(a, b):
 def test_npz_round_trip_is_exact(tmp_path):
   params = _random_params(small_vit(representation_size=8))
   path = str(tmp_path / "model.npz")
-  npz_checkpoints.save_npz(params, path)
+  npz.save_npz(params, path)
   loaded, settings = pretrained.load_params(path, num_heads=4)
   _assert_trees_equal(loaded, params)
   assert settings["classifier"] == "token" and settings["approximate_gelu"]
@@ -79,7 +80,7 @@ def test_training_checkpoint_prefix_and_gap(tmp_path):
   params = _random_params(small_vit(classifier="gap"))
   path = str(tmp_path / "opt.npz")
   np.savez(path, **{"opt/target/" + k: v for k, v in
-                    npz_checkpoints.flatten(params).items()})
+                    npz.flatten(params).items()})
   loaded, settings = pretrained.load_params(path, num_heads=4)
   _assert_trees_equal(loaded, params)
   assert settings["classifier"] == "gap"
@@ -105,7 +106,7 @@ def test_official_ti16_layout_param_count(tmp_path):
 
 
 def test_unsupported_npz_models_are_refused(tmp_path):
-  flat = npz_checkpoints.flatten(_random_params(small_vit()))
+  flat = npz.flatten(_random_params(small_vit()))
   map_head = dict(flat, **{"MAPHead_0/probe": np.zeros((1, 1, 32))})
   np.savez(tmp_path / "map.npz", **map_head)
   with pytest.raises(CheckpointFormatError, match="'map'"):
@@ -121,7 +122,7 @@ def test_unsupported_npz_models_are_refused(tmp_path):
 
 def test_damaged_or_pickled_npz_is_refused(tmp_path):
   path = tmp_path / "model.npz"
-  npz_checkpoints.save_npz(_random_params(small_vit()), str(path))
+  npz.save_npz(_random_params(small_vit()), str(path))
   data = path.read_bytes()
   path.write_bytes(data[: len(data) // 2])
   with pytest.raises(CheckpointFormatError, match="model.npz"):

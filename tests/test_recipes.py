@@ -7,11 +7,16 @@ import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 from helpers import small_config, small_vit
-from vit_jax import (datasets, input_pipeline, models, optim, sharding,
-                     steps, train, validation, variants)
+from vit_jax import config as config_lib
+from vit_jax.checkpoints import orbax_checkpoints
+from vit_jax.data import datasets, input_pipeline
+from vit_jax.model import variants, vit
+from vit_jax.runtime import sharding
+from vit_jax.training import loop, optim, steps
 
 
 class _DropPath(nn.Module):
@@ -19,7 +24,7 @@ class _DropPath(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    return models.drop_path(self, x, self.rate, deterministic=False)
+    return vit.drop_path(self, x, self.rate, deterministic=False)
 
 
 def test_drop_path_drops_whole_examples_at_the_rate_and_keeps_the_mean():
@@ -34,7 +39,7 @@ def test_drop_path_drops_whole_examples_at_the_rate_and_keeps_the_mean():
   # Given uniform draws, exactly the examples whose draw is below 1 - rate
   # are kept (the encoder draws them for every block at once).
   uniform = jax.random.uniform(jax.random.PRNGKey(1), (4000,))
-  out = np.asarray(models.drop_path(None, x, 0.3, False, uniform))
+  out = np.asarray(vit.drop_path(None, x, 0.3, False, uniform))
   kept = np.all(out.reshape(4000, -1) != 0, axis=1)
   np.testing.assert_array_equal(kept, np.asarray(uniform) < 0.7)
 
@@ -60,7 +65,7 @@ def test_drop_path_is_linear_over_depth_and_off_at_eval():
 
 
 def test_sincos_2d_posemb_formula_and_model_without_posemb_params():
-  table = np.asarray(models.sincos_2d_posemb(3, 4, 16))[0]
+  table = np.asarray(vit.sincos_2d_posemb(3, 4, 16))[0]
   assert table.shape == (12, 16)
   frequencies = 1.0 / 10_000 ** (np.arange(4) / 4)
   row, col = divmod(7, 4)  # token 7 = row 1, column 3
@@ -74,8 +79,8 @@ def test_sincos_2d_posemb_formula_and_model_without_posemb_params():
     variables = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16, 16, 3)))
     assert "posembed_input" not in variables["params"]["Transformer"]
     assert model.apply(variables, jnp.zeros((2, 16, 16, 3))).shape == (2, 10)
-  with pytest.raises(models.ViTInputError, match="divisible by 4"):
-    models.sincos_2d_posemb(2, 2, 6)
+  with pytest.raises(vit.ViTInputError, match="divisible by 4"):
+    vit.sincos_2d_posemb(2, 2, 6)
 
 
 def test_lamb_first_step_is_the_trust_ratio_times_the_adam_direction():
@@ -146,7 +151,7 @@ def test_ema_follows_the_formula_and_is_evaluated(tmp_path):
                         jax.tree.leaves(state.params)):
     assert ema.sharding == param.sharding
 
-  metrics = train.train_and_evaluate(config, str(tmp_path))
+  metrics = loop.train_and_evaluate(config, str(tmp_path))
   assert 0.0 <= metrics["ema_accuracy"] <= 1.0 and "ema_loss" in metrics
 
 
@@ -207,15 +212,29 @@ def test_trainer_runs_with_every_recipe_component(tmp_path, capsys):
   config.model.patch_dropout_rate = 0.5
   config.model.shifted_patches = True
   config.model.locality_attention = True
-  metrics = train.train_and_evaluate(config, str(tmp_path))
+  metrics = loop.train_and_evaluate(config, str(tmp_path))
   assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["ema_loss"])
   # The model line says how many of the 16x16 image's 4x4 patches a step
   # trains on.
   assert "trained on 8 of its 16 patches (patch dropout 0.5)" in (
       capsys.readouterr().out)
-  # Resumes (EMA params are part of the checkpointed state).
-  assert train.train_and_evaluate(config, str(tmp_path))["accuracy"] == \
-      metrics["accuracy"]
+  # Resumes: the EMA params are part of the checkpointed state. The
+  # resumed run trains nothing and evaluates the restored state, so its
+  # EMA metrics are the saved EMA params' (which differ from the params').
+  assert metrics["ema_loss"] != metrics["loss"]
+  resumed = loop.train_and_evaluate(config, str(tmp_path))
+  assert resumed["accuracy"] == metrics["accuracy"]
+  assert resumed["ema_loss"] == metrics["ema_loss"]
+  assert resumed["ema_accuracy"] == metrics["ema_accuracy"]
+  run, state, start_step, _ = loop.build_run(config, str(tmp_path))
+  orbax_checkpoints.finish(run.manager)
+  run.writer.close()
+  assert start_step == 4
+  saved = ocp.PyTreeCheckpointer().restore(
+      str(tmp_path / "checkpoints" / "4" / "default"))
+  for restored, on_disk in zip(jax.tree.leaves(state.ema_params),
+                               jax.tree.leaves(saved["ema_params"])):
+    np.testing.assert_array_equal(np.asarray(restored), on_disk)
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -232,4 +251,4 @@ def test_bad_recipe_values_are_named(key, value, message):
   config = small_config()
   config[key] = value
   with pytest.raises(ValueError, match=message):
-    validation.validate_config(config)
+    config_lib.validate_config(config)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from helpers import small_config
-from vit_jax import checkpoints, metric_writer, pretrained, train
+from vit_jax.checkpoints import orbax_checkpoints, pretrained
+from vit_jax.training import loop, metric_writer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--config=configs/vit_tiny_fashion_mnist.py",
@@ -122,20 +123,20 @@ def test_sigkill_at_several_points_resumes_bit_exactly(tmp_path):
 
 def test_second_run_on_a_locked_workdir_is_refused(tmp_path):
   workdir = str(tmp_path / "run")
-  with checkpoints.locked_workdir(workdir):
-    with pytest.raises(checkpoints.WorkdirError,
+  with orbax_checkpoints.locked_workdir(workdir):
+    with pytest.raises(orbax_checkpoints.WorkdirError,
                        match=f"pid {os.getpid()}.* is using"):
-      train.train_and_evaluate(small_config(num_train_steps=2), workdir)
+      loop.train_and_evaluate(small_config(num_train_steps=2), workdir)
   # Released: the same workdir trains now.
-  train.train_and_evaluate(small_config(num_train_steps=2), workdir)
+  loop.train_and_evaluate(small_config(num_train_steps=2), workdir)
 
 
 def test_unwritable_workdir_is_reported_before_training(tmp_path):
   blocker = tmp_path / "a_file"
   blocker.write_text("not a folder")
-  with pytest.raises(checkpoints.WorkdirError,
+  with pytest.raises(orbax_checkpoints.WorkdirError,
                      match="Cannot write to the workdir .*a_file/run"):
-    train.train_and_evaluate(small_config(), str(blocker / "run"))
+    loop.train_and_evaluate(small_config(), str(blocker / "run"))
 
 
 @pytest.mark.slow
@@ -145,7 +146,7 @@ def test_keep_best_saves_the_params_of_the_best_evaluation(tmp_path):
   config = small_config(num_epochs=8, keep_best=True, learning_rate=1e-2,
                         checkpoint_every_steps=4, keep_checkpoints=10,
                         warmup_epochs=0.5, label_smoothing=0.0)
-  train.train_and_evaluate(config, workdir)
+  loop.train_and_evaluate(config, workdir)
   evals = [r for r in metric_writer.read_metrics(workdir)
            if r["split"] == "eval"]
   best = max(evals, key=lambda r: r["accuracy"])  # first of equal maxima
@@ -201,47 +202,47 @@ def test_library_never_unpickles_or_shells_out():
 
 @pytest.mark.slow
 def test_resume_with_another_model_names_the_checkpoint(tmp_path):
-  train.train_and_evaluate(small_config(num_train_steps=2), str(tmp_path))
+  loop.train_and_evaluate(small_config(num_train_steps=2), str(tmp_path))
   wider = small_config(num_train_steps=4)
   wider.model.mlp_dim = 48
-  with pytest.raises(checkpoints.CheckpointRestoreError,
+  with pytest.raises(orbax_checkpoints.CheckpointRestoreError,
                      match=f"(?s)Cannot restore the checkpoint {tmp_path}/"
                      r"checkpoints/2: parameter .*MlpBlock_3/Dense_0/bias has "
                      r"shape \(64,\) in the checkpoint and \(48,\) in the "
                      "model.*different model"):
-    train.train_and_evaluate(wider, str(tmp_path))
+    loop.train_and_evaluate(wider, str(tmp_path))
 
 
 @pytest.mark.slow
 def test_damaged_checkpoint_names_the_file(tmp_path):
-  train.train_and_evaluate(small_config(num_train_steps=2), str(tmp_path))
+  loop.train_and_evaluate(small_config(num_train_steps=2), str(tmp_path))
   step_dir = tmp_path / "checkpoints" / "2"
   for path in step_dir.rglob("*"):
     if path.is_file() and path.stat().st_size > 0:
       path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
-  with pytest.raises(checkpoints.CheckpointRestoreError,
+  with pytest.raises(orbax_checkpoints.CheckpointRestoreError,
                      match="(?s)checkpoints/2.*damaged"):
-    train.train_and_evaluate(small_config(num_train_steps=4), str(tmp_path))
+    loop.train_and_evaluate(small_config(num_train_steps=4), str(tmp_path))
 
 
 @pytest.mark.slow
 def test_failed_checkpoint_write_keeps_the_last_good_one(tmp_path,
                                                          monkeypatch):
   config = small_config(num_train_steps=4, checkpoint_every_steps=2)
-  real_save = checkpoints.ocp.CheckpointManager.save
+  real_save = orbax_checkpoints.ocp.CheckpointManager.save
 
   def full_disk(self, step, *args, **kwargs):
     if step == 4:
       raise OSError(28, "No space left on device")
     return real_save(self, step, *args, **kwargs)
 
-  monkeypatch.setattr(checkpoints.ocp.CheckpointManager, "save", full_disk)
-  with pytest.raises(checkpoints.WorkdirError,
+  monkeypatch.setattr(orbax_checkpoints.ocp.CheckpointManager, "save", full_disk)
+  with pytest.raises(orbax_checkpoints.WorkdirError,
                      match="step 4 .*No space left.*last complete "
                      "checkpoint is step 2"):
-    train.train_and_evaluate(config, str(tmp_path))
+    loop.train_and_evaluate(config, str(tmp_path))
   monkeypatch.undo()
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
   # The same command resumes from step 2 and finishes.
-  train.train_and_evaluate(config, str(tmp_path))
+  loop.train_and_evaluate(config, str(tmp_path))
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]

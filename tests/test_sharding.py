@@ -10,8 +10,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import small_config
-from vit_jax import (checkpoints, configs, datasets, input_pipeline, optim,
-                     sharding, steps, validation, variants)
+from vit_jax import config as config_lib
+from vit_jax.checkpoints import orbax_checkpoints
+from vit_jax.data import datasets, input_pipeline
+from vit_jax.model import variants
+from vit_jax.runtime import sharding
+from vit_jax.training import optim, steps
 
 
 def test_mesh_shape_fills_in_minus_one_and_names_bad_sizes():
@@ -34,7 +38,7 @@ def test_mesh_shape_fills_in_minus_one_and_names_bad_sizes():
   config = small_config()
   config.mesh.fsdp = 3
   with pytest.raises(ValueError, match="config.mesh"):
-    validation.validate_config(config)
+    config_lib.validate_config(config)
 
 
 def test_mesh_axes_and_devices():
@@ -48,7 +52,7 @@ def test_mesh_axes_and_devices():
 
 def test_fsdp_rule_on_vit_b16_parameters():
   """Spot checks written out by hand, then the rule's invariants."""
-  config = configs.base_config("ViT-B/16")
+  config = config_lib.base_config("ViT-B/16")
   model = variants.build_model(config.model, 1000)
   abstract = jax.eval_shape(
       lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 224, 224, 3)),
@@ -210,9 +214,9 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path):
   config = small_config(fsdp_min_size=256)
   config.mesh.update({"data": 2, "fsdp": 4})
   written, _ = _train(config, sharding.make_mesh(config.mesh), 3)
-  manager = checkpoints.make_manager(str(tmp_path), 2)
-  checkpoints.save(manager, written)
-  checkpoints.finish(manager)
+  manager = orbax_checkpoints.make_manager(str(tmp_path), 2)
+  orbax_checkpoints.save(manager, written)
+  orbax_checkpoints.finish(manager)
   arrays = lambda state: jax.device_get(
       (state.step, state.params, state.opt_state, state.rng))
   expected = arrays(written)
@@ -224,8 +228,8 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path):
     other.mesh.update(mesh_config)
     mesh = sharding.make_mesh(other.mesh)
     fresh, _ = _train(other, mesh, 0)
-    manager = checkpoints.make_manager(str(tmp_path), 2)
-    restored, step = checkpoints.restore_latest(manager, fresh)
+    manager = orbax_checkpoints.make_manager(str(tmp_path), 2)
+    restored, step = orbax_checkpoints.restore_latest(manager, fresh)
     manager.close()
     assert step == 3
     chex.assert_trees_all_equal(arrays(restored), expected)
@@ -265,16 +269,16 @@ def test_checkpoints_read_and_are_read_by_orbax_standard_handler(tmp_path):
   standard.save(7, args=ocp.args.StandardSave(state))
   standard.wait_until_finished()
   standard.close()
-  manager = checkpoints.make_manager(str(tmp_path / "standard"), 2)
-  restored, step = checkpoints.restore_latest(manager, state)
+  manager = orbax_checkpoints.make_manager(str(tmp_path / "standard"), 2)
+  restored, step = orbax_checkpoints.restore_latest(manager, state)
   manager.close()
   assert step == 7
   chex.assert_trees_all_equal(jax.device_get(restored), values)
   assert restored.params["kernel"].sharding.is_equivalent_to(split, 2)
 
-  manager = checkpoints.make_manager(str(tmp_path / "ours"), 2)
-  checkpoints.save(manager, state)
-  checkpoints.finish(manager)
+  manager = orbax_checkpoints.make_manager(str(tmp_path / "ours"), 2)
+  orbax_checkpoints.save(manager, state)
+  orbax_checkpoints.finish(manager)
   reader = ocp.CheckpointManager(str(tmp_path / "ours" / "checkpoints"))
   chex.assert_trees_all_equal(
       jax.device_get(reader.restore(7, args=ocp.args.StandardRestore(target))),
@@ -285,7 +289,7 @@ def test_checkpoints_read_and_are_read_by_orbax_standard_handler(tmp_path):
 @pytest.mark.slow
 def test_vit_l16_initialises_sharded_without_a_full_copy():
   """XLA's own per-device memory figures for the sharded init program."""
-  config = configs.base_config("ViT-L/16")
+  config = config_lib.base_config("ViT-L/16")
   model = variants.build_model(config.model, 1000)
   schedule = optim.learning_rate_schedule(config, 1000, 100)
   optimizer = optim.make_optimizer(config, schedule)

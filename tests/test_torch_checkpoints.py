@@ -13,10 +13,10 @@ import jax
 import numpy as np
 import pytest
 
-from vit_jax import (npz_checkpoints, pretrained, state_dict_files,
-                     torch_checkpoints, variants)
-from vit_jax.models import VisionTransformer
-from vit_jax.npz_checkpoints import CheckpointFormatError
+from vit_jax.checkpoints import npz, pretrained, state_dict_files, torch_state_dicts
+from vit_jax.model import variants
+from vit_jax.model.vit import VisionTransformer
+from vit_jax.checkpoints.npz import CheckpointFormatError
 
 torch = pytest.importorskip(
     "torch", reason="the PyTorch converters need the extra: pip install "
@@ -68,7 +68,7 @@ def _state(module):
 
 
 def _check_parity(module, representation_size=None):
-  params, settings = torch_checkpoints.convert_state_dict(_state(module),
+  params, settings = torch_state_dicts.convert_state_dict(_state(module),
                                                           DIMS["heads"])
   images = _images()
   ours = _our_model(settings, representation_size).apply(
@@ -139,7 +139,7 @@ def test_hugging_face_vit_model_pooler_is_pre_logits():
   """ViTModel (no `vit.` prefix, tanh pooler) -> our pre-logits layer."""
   config = _hf_model().config
   model = _randomize(transformers.ViTModel(config, add_pooling_layer=True))
-  params, settings = torch_checkpoints.convert_state_dict(_state(model),
+  params, settings = torch_state_dicts.convert_state_dict(_state(model),
                                                           DIMS["heads"])
   assert "head" not in params and settings["source"] == "hugging_face"
   params["head"] = {"kernel": np.zeros((DIMS["width"], 1), np.float32),
@@ -161,8 +161,8 @@ def test_hugging_face_vit_model_pooler_is_pre_logits():
 def test_hugging_face_transformers_v4_names():
   """Files on the Hub use transformers-4 names; they load the same."""
   model = _randomize(_hf_model())
-  new_names, old_names = (torch_checkpoints.HUGGING_FACE,
-                          torch_checkpoints.HUGGING_FACE_V4)
+  new_names, old_names = (torch_state_dicts.HUGGING_FACE,
+                          torch_state_dicts.HUGGING_FACE_V4)
   state = {}
   for key, value in _state(model).items():
     for name, module in new_names.block_modules.items():
@@ -170,10 +170,10 @@ def test_hugging_face_transformers_v4_names():
                         "." + old_names.block_modules[name] + ".")
     state[key.replace("vit.layers.", "vit.encoder.layer.")] = value
   assert any(".attention.attention.query." in k for k in state)
-  params, settings = torch_checkpoints.convert_state_dict(state,
+  params, settings = torch_state_dicts.convert_state_dict(state,
                                                           DIMS["heads"])
   assert settings["source"] == "hugging_face_v4"
-  reference, _ = torch_checkpoints.convert_state_dict(_state(model),
+  reference, _ = torch_state_dicts.convert_state_dict(_state(model),
                                                       DIMS["heads"])
   assert all(jax.tree.leaves(jax.tree.map(np.array_equal, params,
                                           reference)))
@@ -184,9 +184,9 @@ def test_export_loads_into_pytorch_and_round_trips(layout, tmp_path):
   """Our params -> state dict file -> the PyTorch model: same logits."""
   model = _randomize(_timm_model() if layout == "timm" else
                      _torchvision_model(), seed=3)
-  params, settings = torch_checkpoints.convert_state_dict(_state(model),
+  params, settings = torch_state_dicts.convert_state_dict(_state(model),
                                                           DIMS["heads"])
-  exported = torch_checkpoints.export_state_dict(params, layout)
+  exported = torch_state_dicts.export_state_dict(params, layout)
   for suffix in (".safetensors", ".pth"):
     path = str(tmp_path / f"model{suffix}")
     state_dict_files.save_state_dict(exported, path)
@@ -214,7 +214,7 @@ def test_exported_npz_loads_with_timm_npz_loader(tmp_path):
       lambda x: x + 0.1 * jax.random.normal(jax.random.PRNGKey(1), x.shape),
       params)
   path = str(tmp_path / "exported.npz")
-  npz_checkpoints.save_npz(params, path)
+  npz.save_npz(params, path)
   model = _timm_model()
   timm.models.vision_transformer._load_weights(model, path)  # pylint: disable=protected-access
   diff = np.max(np.abs(_torch_logits(model.eval(), images) -
@@ -245,12 +245,12 @@ def test_truncated_safetensors_is_refused(tmp_path):
 def test_unsupported_features_are_refused():
   model = _randomize(_timm_model(reg_tokens=4))
   with pytest.raises(CheckpointFormatError, match="reg_token"):
-    torch_checkpoints.convert_state_dict(_state(model), DIMS["heads"])
+    torch_state_dicts.convert_state_dict(_state(model), DIMS["heads"])
 
 
 def test_heads_must_divide_width():
   with pytest.raises(CheckpointFormatError, match="num_heads=5"):
-    torch_checkpoints.convert_state_dict(
+    torch_state_dicts.convert_state_dict(
         _state(_randomize(_timm_model())), 5)
 
 
@@ -267,7 +267,7 @@ def test_torchvision_vit_b_16_full_size_parity():
   """The real torchvision builder, all 86M parameters, at 224 px."""
   # Small weights keep 12 random layers' logits O(1).
   model = _randomize(torchvision.models.vit_b_16(weights=None), std=0.02)
-  params, settings = torch_checkpoints.convert_state_dict(_state(model), 12)
+  params, settings = torch_state_dicts.convert_state_dict(_state(model), 12)
   ours = VisionTransformer(
       num_classes=1000, patch_size=16, hidden_size=768, num_layers=12,
       num_heads=12, mlp_dim=3072, approximate_gelu=False)
@@ -284,7 +284,7 @@ def test_torchvision_vit_b_16_full_size_parity():
 
 def _convert(*flags):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  return subprocess.run([sys.executable, "-m", "vit_jax.convert", *flags],
+  return subprocess.run([sys.executable, "-m", "vit_jax.checkpoints.convert", *flags],
                         cwd=root, capture_output=True, text=True, timeout=300)
 
 
@@ -300,7 +300,7 @@ def test_convert_command_pytorch_to_npz_and_back(tmp_path):
   result = _convert(f"--input={source}", "--num_heads=3", f"--output={npz}")
   assert result.returncode == 0, result.stderr
   assert "exact GELU" in result.stdout and "as official .npz" in result.stdout
-  expected, _ = torch_checkpoints.convert_state_dict(_state(model), 3)
+  expected, _ = torch_state_dicts.convert_state_dict(_state(model), 3)
   loaded, _ = pretrained.load_params(npz, 3)
   assert all(jax.tree.leaves(jax.tree.map(np.array_equal, loaded, expected)))
   back = str(tmp_path / "back.safetensors")
@@ -322,7 +322,7 @@ def test_torchvision_builders_map_onto_the_named_variants(builder, variant):
   """Every torchvision builder's state dict has exactly our variant's tree."""
   model = getattr(torchvision.models, builder)(weights=None)
   config = variants.get_variant(variant)
-  params, _ = torch_checkpoints.convert_state_dict(_state(model),
+  params, _ = torch_state_dicts.convert_state_dict(_state(model),
                                                    config.num_heads)
   del model
   shapes = jax.eval_shape(
@@ -348,4 +348,4 @@ def test_export_names_options_pytorch_layouts_cannot_hold(option, value,
                           _images(seed=0))["params"]
   params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), params)
   with pytest.raises(CheckpointFormatError, match=named):
-    torch_checkpoints.export_state_dict(params, "timm")
+    torch_state_dicts.export_state_dict(params, "timm")

@@ -12,8 +12,12 @@ import orbax.checkpoint as ocp
 import pytest
 
 from helpers import small_config
-from vit_jax import (augment, configs, datasets, metric_writer, optim,
-                     pretrained, sharding, steps, train, variants)
+from vit_jax import config as config_lib
+from vit_jax.checkpoints import pretrained
+from vit_jax.data import augment, datasets
+from vit_jax.model import variants
+from vit_jax.runtime import sharding
+from vit_jax.training import loop, metric_writer, optim, steps
 
 
 def _build(config, mesh, total_steps=20, steps_per_epoch=4):
@@ -284,13 +288,13 @@ def test_resume_continues_exactly(tmp_path):
   config = small_config(num_train_steps=8, checkpoint_every_steps=4)
   config.model.dropout_rate = 0.1  # the dropout RNG must resume too
   workdir = str(tmp_path / "run")
-  train.train_and_evaluate(config, workdir)
+  loop.train_and_evaluate(config, workdir)
   uninterrupted = _read_checkpoint(workdir, 8)
   records = metric_writer.read_metrics(workdir)
 
   # "Kill" the run after step 4: only the step-4 checkpoint survives.
   shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
-  final = train.train_and_evaluate(config, workdir)
+  final = loop.train_and_evaluate(config, workdir)
   resumed = _read_checkpoint(workdir, 8)
   chex.assert_trees_all_equal(resumed["params"], uninterrupted["params"])
   chex.assert_trees_all_equal(resumed["opt_state"],
@@ -308,7 +312,7 @@ def test_nan_loss_stops_training_and_saves_nothing(tmp_path, monkeypatch):
                       lambda images, key, **_: jnp.full(images.shape, jnp.nan))
   config = small_config(num_train_steps=4, checkpoint_every_steps=2)
   with pytest.raises(FloatingPointError, match="loss became nan at step 1"):
-    train.train_and_evaluate(config, str(tmp_path))
+    loop.train_and_evaluate(config, str(tmp_path))
   assert os.listdir(tmp_path / "checkpoints") == []
 
 
@@ -329,7 +333,7 @@ def test_nan_batch_update_is_skipped_when_configured(tmp_path, capsys):
   monkeypatch = pytest.MonkeyPatch()
   monkeypatch.setattr(augment, "train_preprocess", poisoned)
   try:
-    metrics = train.train_and_evaluate(config, str(tmp_path))
+    metrics = loop.train_and_evaluate(config, str(tmp_path))
   finally:
     monkeypatch.undo()
   assert "Skipped the update of step(s) [3]" in capsys.readouterr().out
@@ -354,12 +358,12 @@ def test_bad_config_fails_before_loading_data(tmp_path, overrides, message):
   for key, value in overrides.items():
     config[key] = value
   with pytest.raises(ValueError, match=message):
-    train.train_and_evaluate(config, str(tmp_path))
+    loop.train_and_evaluate(config, str(tmp_path))
   assert not os.path.exists(tmp_path / "checkpoints")
 
 
 def test_locked_config_rejects_unknown_keys():
-  config = configs.base_config()
+  config = config_lib.base_config()
   with pytest.raises(AttributeError, match="batch_sise"):
     config.batch_sise = 64
   with pytest.raises(AttributeError):

@@ -11,9 +11,11 @@ import orbax.checkpoint as ocp
 import pytest
 
 from helpers import small_config, train_counting_compiles
-from vit_jax import (augment, budget, datasets, input_pipeline,
-                     metric_writer, optim, sharding, steps, train,
-                     validation, variants)
+from vit_jax import config as config_lib
+from vit_jax.data import augment, datasets, input_pipeline
+from vit_jax.model import variants
+from vit_jax.runtime import sharding
+from vit_jax.training import budget, loop, metric_writer, optim, steps
 
 
 def _tuning_config(**overrides):
@@ -73,15 +75,15 @@ def _plan(tmp_path, config, tuning=None):
   return budget.plan(
       config, str(tmp_path), done=21, step_ends=list(np.arange(21) * 0.1),
       first_step_seconds=0.0, elapsed_seconds=0.0,
-      time_evaluation=lambda: (0.0, 2.0), time_save=lambda: 0.0,
-      steps_per_epoch=4, upper_bound=10**6, time_unmasked_tuning=tuning)
+      measured=budget.Measurements(0.0, 2.0, 0.0, *(tuning or ())),
+      steps_per_epoch=4, upper_bound=10**6)
 
 
 def test_plan_fits_the_masked_steps_in_what_the_tuning_leaves(tmp_path):
   config = _tuning_config(time_budget_minutes=2.0, eval_every_epochs=10,
                           checkpoint_every_steps=10**6,
                           unmasked_tuning_epochs=5.0)  # 20 steps
-  plan = _plan(tmp_path, config, tuning=lambda: (3.0, 0.3))
+  plan = _plan(tmp_path, config, tuning=(3.0, 0.3))
   assert plan["unmasked_tuning_steps"] == 20
   assert plan["unmasked_tuning_seconds"] == pytest.approx(3.0 + 20 * 0.3)
   with open(tmp_path / budget.PLAN_FILE) as f:
@@ -118,7 +120,7 @@ def test_revision_keeps_the_tuning_at_the_end(tmp_path, capsys):
   config = _tuning_config(time_budget_minutes=2.0, eval_every_epochs=10,
                           checkpoint_every_steps=10**6,
                           unmasked_tuning_epochs=5.0)
-  plan = _plan(tmp_path, config, tuning=lambda: (3.0, 0.3))
+  plan = _plan(tmp_path, config, tuning=(3.0, 0.3))
   planned = plan["total_steps"]
   measured = dict(done=80, eval_seconds=2.0, recompile_seconds=1.0,
                   steps_per_epoch=4, upper_bound=10**6)
@@ -164,7 +166,7 @@ def test_trainer_tunes_its_last_epoch_on_every_patch_and_resumes_in_it(
                           keep_checkpoints=10, log_every_steps=2,
                           ema_decay=0.99)
   workdir = str(tmp_path)
-  train.train_and_evaluate(config, workdir)
+  loop.train_and_evaluate(config, workdir)
   assert "Unmasked tuning: steps 9-12 train on all 16 patches" in (
       capsys.readouterr().out)
 
@@ -215,7 +217,7 @@ def test_trainer_tunes_its_last_epoch_on_every_patch_and_resumes_in_it(
       rtol=1e-5)
 
   shutil.rmtree(os.path.join(workdir, "checkpoints", "12"))
-  train.train_and_evaluate(config, workdir)
+  loop.train_and_evaluate(config, workdir)
   assert "Unmasked tuning: steps 11-12" in capsys.readouterr().out
   chex.assert_trees_all_equal(_restore(workdir, 12, template).params,
                               final.params)
@@ -276,10 +278,10 @@ def test_bad_tuning_settings_are_named(overrides, rate, message):
   config = small_config(**overrides)
   config.model.patch_dropout_rate = rate
   with pytest.raises(ValueError, match=message):
-    validation.validate_config(config)
+    config_lib.validate_config(config)
 
 
 def test_tuning_as_long_as_the_run_is_refused(tmp_path):
   config = _tuning_config(num_train_steps=4)  # the tuning's epoch: 4 steps
   with pytest.raises(ValueError, match="leaves nothing.*make it shorter"):
-    train.train_and_evaluate(config, str(tmp_path))
+    loop.train_and_evaluate(config, str(tmp_path))

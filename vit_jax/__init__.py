@@ -6,44 +6,46 @@
 The trainer: `train_and_evaluate(config, workdir)`, or the pieces
 `create_train_state`, `train_step`, `eval_step` for a loop of your own.
 Pretrained checkpoints: `load_params(path, num_heads)` reads official .npz,
-Orbax and PyTorch files, `adapt_params` fits them to a model
-(vit_jax.pretrained); `python -m vit_jax.convert` writes them back out.
+Orbax and PyTorch files, `adapt_params` fits them to a model;
+`python -m vit_jax.checkpoints.convert` writes them back out.
 
-Importing vit_jax adds measured XLA:CPU flags to XLA_FLAGS unless you set
-them (vit_jax/host.py). The names below are imported on first use, so
-`import vit_jax.host` (which must run before JAX starts) does not pay for
-importing JAX, Flax and Orbax.
+The packages, by concern: `model` (the paper's ViT and its variants),
+`kernels` (speed paths the model composes in), `data`, `training`,
+`checkpoints`, `inspection`, `runtime` (host settings, devices, processes),
+and `config` (defaults and the one validation pass).
+
+Importing vit_jax changes nothing in the process. `main.py` applies its
+process settings explicitly (vit_jax/runtime/host.py: measured XLA:CPU
+flags, a faster malloc, the compilation cache); a library user who wants
+them calls `vit_jax.runtime.host.default_xla_flags()` before JAX starts.
+The names below are imported on first use.
 """
 
 import importlib
 
-from vit_jax import host as _host
-
-_host.default_xla_flags()  # before JAX's CPU backend starts; see host.py
-
 # Public name -> (module, attribute).
 _EXPORTS = {
-    "base_config": ("configs", "base_config"),
-    "Dataset": ("datasets", "Dataset"),
-    "DatasetUnavailableError": ("datasets", "DatasetUnavailableError"),
-    "load_dataset": ("datasets", "load"),
-    "Encoder": ("models", "Encoder"),
-    "Encoder1DBlock": ("models", "Encoder1DBlock"),
-    "MlpBlock": ("models", "MlpBlock"),
-    "MultiHeadSelfAttention": ("models", "MultiHeadSelfAttention"),
-    "ViTInputError": ("models", "ViTInputError"),
-    "VisionTransformer": ("models", "VisionTransformer"),
-    "adapt_params": ("pretrained", "adapt_params"),
-    "load_params": ("pretrained", "load_params"),
-    "resize_pos_embedding": ("pretrained", "resize_pos_embedding"),
-    "TrainState": ("steps", "TrainState"),
-    "create_train_state": ("steps", "create_train_state"),
-    "eval_step": ("steps", "eval_step"),
-    "train_and_evaluate": ("train", "train_and_evaluate"),
-    "train_step": ("steps", "train_step"),
-    "VARIANTS": ("variants", "VARIANTS"),
-    "build_model": ("variants", "build_model"),
-    "get_variant": ("variants", "get_variant"),
+    "base_config": ("config", "base_config"),
+    "Dataset": ("data.datasets", "Dataset"),
+    "DatasetUnavailableError": ("data.datasets", "DatasetUnavailableError"),
+    "load_dataset": ("data.datasets", "load"),
+    "Encoder": ("model.vit", "Encoder"),
+    "Encoder1DBlock": ("model.vit", "Encoder1DBlock"),
+    "MlpBlock": ("model.vit", "MlpBlock"),
+    "MultiHeadSelfAttention": ("model.vit", "MultiHeadSelfAttention"),
+    "ViTInputError": ("model.vit", "ViTInputError"),
+    "VisionTransformer": ("model.vit", "VisionTransformer"),
+    "adapt_params": ("checkpoints.pretrained", "adapt_params"),
+    "load_params": ("checkpoints.pretrained", "load_params"),
+    "resize_pos_embedding": ("checkpoints.pretrained", "resize_pos_embedding"),
+    "TrainState": ("training.steps", "TrainState"),
+    "create_train_state": ("training.steps", "create_train_state"),
+    "eval_step": ("training.steps", "eval_step"),
+    "train_and_evaluate": ("training.loop", "train_and_evaluate"),
+    "train_step": ("training.steps", "train_step"),
+    "VARIANTS": ("model.variants", "VARIANTS"),
+    "build_model": ("model.variants", "build_model"),
+    "get_variant": ("model.variants", "get_variant"),
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

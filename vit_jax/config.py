@@ -1,0 +1,342 @@
+"""The trainer's config: its defaults (`base_config`, which every file in
+configs/ starts from) and the one validation pass (`validate_config`), run
+before any data is read or anything compiles.
+
+Every config is locked: an override of a key that does not exist
+(`--config.batch_sise=64`) fails with the list of valid keys instead of being
+silently ignored.
+"""
+
+import dataclasses
+import os
+
+import jax
+import ml_collections
+from ml_collections import config_dict
+
+from vit_jax.checkpoints import pretrained
+from vit_jax.data import augment, datasets
+from vit_jax.model import variants, vit
+from vit_jax.runtime import sharding
+from vit_jax.training import optim
+
+
+def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
+  """Defaults for every option of the trainer, with model `model`."""
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+
+  # Data. `dataset` is cifar10, cifar100, mnist, fashion_mnist or synthetic.
+  config.dataset = "cifar10"
+  # Where to look: "auto" tries raw files (raw_data_dir, then known system
+  # paths), then TFDS; "raw" and "tfds" use only that source.
+  config.data_source = "auto"
+  config.raw_data_dir = config_dict.placeholder(str)  # IDX / CIFAR binary files
+  config.data_dir = config_dict.placeholder(str)  # TFDS data_dir
+  config.manual_dir = config_dict.placeholder(str)  # TFDS manual_dir
+  config.tfds_download = True  # let TFDS download and prepare when missing
+  config.max_train_examples = config_dict.placeholder(int)  # take a slice
+  config.max_eval_examples = config_dict.placeholder(int)
+  # Synthetic data (dataset="synthetic"): class-dependent patterns + noise.
+  config.synthetic = ml_collections.ConfigDict(dict(
+      num_train=512, num_eval=128, image_size=32, channels=3, num_classes=10))
+
+  # Augmentation, applied on device inside the train step.
+  config.crop_padding = 4  # random crop after zero padding; 0 disables
+  # Or an Inception-style random resized crop (box of min_crop_area..1 of
+  # the image, aspect 3/4..4/3) resized to image_size: the official
+  # fine-tuning augmentation. Use with crop_padding=0.
+  config.random_resized_crop = False
+  config.min_crop_area = 0.05
+  config.random_flip = config_dict.placeholder(bool)  # None: dataset default
+  # Evaluation (and the report, predict, attention tools) classify by the
+  # mean logits of each image and its mirror image: 2x the eval forward.
+  config.eval_flip_average = False
+  # After crop and flip: "randaugment" (randaugment_num_ops operations at
+  # randaugment_magnitude, 0-10) or "trivialaugment" (one operation, random
+  # magnitude), on device; see vit_jax/data/randaugment.py. "none" disables.
+  config.auto_augment = "none"
+  config.randaugment_num_ops = 2
+  config.randaugment_magnitude = 9.0
+  # Probability of erasing a random box of each image (after
+  # normalisation, with noise); 0 disables.
+  config.random_erasing = 0.0
+  # Mixup / CutMix Beta(alpha, alpha) weights; 0 disables one. Both > 0:
+  # each batch uses one of them, 50/50. Targets are mixed the same way.
+  config.mixup_alpha = 0.0
+  config.cutmix_alpha = 0.0
+  # Resize (bilinear, on device) to image_size x image_size after the crop,
+  # e.g. 384 to fine-tune at the paper's resolution; None keeps the size.
+  config.image_size = config_dict.placeholder(int)
+  # Pixel scaling: "dataset" (per-channel mean/std of the training split),
+  # "inception" ([-1, 1]: official and big_vision checkpoints) or
+  # "imagenet" (ImageNet mean/std: torchvision, timm and most HF models).
+  config.normalization = "dataset"
+
+  # Start from a pretrained checkpoint (.npz, Orbax folder or PyTorch state
+  # dict); see vit_jax/checkpoints/pretrained.py. Ignored when resuming from workdir.
+  config.init_from = config_dict.placeholder(str)
+  config.posemb_resize = "bilinear"  # or "bicubic": for a new image size
+  config.trainable = "all"  # "head" freezes the rest: a linear probe
+
+  config.model = variants.get_variant(model)
+
+  # Devices: config.mesh gives the size of each mesh axis; -1 takes the
+  # remaining devices. `data` splits the batch; `fsdp` also splits every
+  # floating array of at least fsdp_min_size elements (params and optimizer
+  # state) along its largest divisible dimension. E.g. data=-1 (default:
+  # data parallel on every device), or data=4, fsdp=2 on 8 devices.
+  # Training results do not depend on the mesh (up to float rounding).
+  config.mesh = sharding.default_mesh_config()
+  config.fsdp_min_size = 1024
+  # On a CPU: split it into this many devices (-1: one per core), each
+  # running its part of the batch, so that independent chains of kernels
+  # keep the cores busy. Pays for small models (README: "Speed on a CPU");
+  # 0 keeps one multi-threaded device. Applied by main.py before JAX starts;
+  # an XLA_FLAGS device count of the user's wins.
+  config.cpu_devices = 0
+
+  # Optimisation: linear warm-up then cosine decay, global-norm clip, and
+  # "adamw", "lamb" or "sgd" (with momentum: the paper's fine-tuning
+  # recipe).
+  config.optimizer = "adamw"
+  config.batch_size = 128  # examples per update, over all devices
+  # Split each batch into accum_steps micro-batches whose gradients are
+  # averaged: the same update as the whole batch, in 1/accum_steps memory.
+  # So batch_size = (examples per device per micro-batch) x accum_steps x
+  # devices (data x fsdp), whatever the mesh or the number of hosts.
+  config.accum_steps = 1
+  config.eval_batch_size = 500
+  config.num_epochs = 100
+  config.num_train_steps = config_dict.placeholder(int)  # overrides epochs
+  # Train as many steps as fit this many wall minutes (at most the epochs or
+  # steps above), planned from the speed of the first steps; 0: off.
+  # The plan is kept in workdir/time_plan.json for resuming (budget.py).
+  config.time_budget_minutes = 0.0
+  config.learning_rate = 1e-3
+  config.end_learning_rate = 1e-5
+  config.schedule = "cosine"  # decay after warm-up: "cosine" or "linear"
+  config.warmup_epochs = 5.0
+  config.warmup_steps = config_dict.placeholder(int)  # overrides the epochs
+  config.weight_decay = 0.05
+  config.decay_all_params = False  # also decay biases, LN scales, embeddings
+  config.adam_b1 = 0.9
+  config.adam_b2 = 0.999
+  config.momentum = 0.9  # for optimizer="sgd"
+  # Layer-wise learning-rate decay: block i from the top learns at
+  # layer_decay ** i times the head's rate (e.g. 0.75 to fine-tune); 1 off.
+  config.layer_decay = 1.0
+  # Exponential moving average of the params, evaluated next to them
+  # (eval metrics ema_loss, ema_accuracy); 0 disables, e.g. 0.999.
+  config.ema_decay = 0.0
+  config.grad_clip_norm = 1.0  # 0 disables clipping
+  # A NaN/Inf loss or gradient stops training (nothing poisoned is saved);
+  # True skips that step's update instead and logs it.
+  config.skip_nonfinite_steps = False
+  config.label_smoothing = 0.1
+  # Sharpness-aware minimisation: each update takes the gradient at the
+  # params moved sam_rho along the normalised gradient (two passes a step);
+  # 0 disables, e.g. 0.05.
+  config.sam_rho = 0.0
+  # Unmasked tuning (Li et al. 2023, FLIP), for a model trained with
+  # model.patch_dropout_rate > 0: the run's last unmasked_tuning_epochs
+  # train on every patch, as the model is tested, at a learning rate
+  # decaying from unmasked_tuning_learning_rate to 0 (cosine). 0 disables.
+  config.unmasked_tuning_epochs = 0.0
+  config.unmasked_tuning_learning_rate = 1e-4
+
+  # Bookkeeping.
+  config.log_every_steps = 50
+  # And after the last step; an interval's evaluation less than half an
+  # interval before it is skipped (budget.evaluates_after).
+  config.eval_every_epochs = 1
+  config.checkpoint_every_steps = 1000
+  config.keep_checkpoints = 3  # the latest N (resume uses the last one)
+  # Also keep the params of the best eval accuracy in workdir/best/
+  # (params.npz, official layout, usable as init_from; metrics.json).
+  config.keep_best = False
+  config.lock()
+  return config
+
+def image_shape_of(config: ml_collections.ConfigDict) -> tuple[int, int, int]:
+  """(H, W, C) the model sees, known without loading the dataset.
+
+  That is the dataset's image shape, or config.image_size square if set.
+  """
+  if config.dataset == "synthetic":
+    s = config.synthetic
+    shape = (s.image_size, s.image_size, s.channels)
+  elif config.dataset not in datasets.SPECS:
+    raise ValueError(
+        f"config.dataset={config.dataset!r} is not supported; choose one of "
+        f"{sorted(datasets.SPECS) + ['synthetic']}.")
+  else:
+    shape = datasets.SPECS[config.dataset].image_shape
+  if config.image_size is not None:
+    shape = (config.image_size, config.image_size, shape[2])
+  return shape
+
+
+def num_classes_of(config: ml_collections.ConfigDict) -> int:
+  """Number of classes of the configured dataset, without loading it."""
+  if config.dataset == "synthetic":
+    return config.synthetic.num_classes
+  image_shape_of(config)  # raises for an unknown dataset
+  return datasets.SPECS[config.dataset].num_classes
+
+
+def _check_choice(config, key: str, choices) -> None:
+  if config[key] not in choices:
+    raise ValueError(f"config.{key}={config[key]!r} is not supported; choose "
+                     f"one of {tuple(choices)}.")
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the key and the fix for an impossible config."""
+  positive = ("batch_size", "eval_batch_size", "log_every_steps",
+              "eval_every_epochs", "checkpoint_every_steps",
+              "keep_checkpoints")
+  for key in positive:
+    if config[key] <= 0:
+      raise ValueError(f"config.{key}={config[key]} must be positive.")
+  if config.num_train_steps is None and config.num_epochs <= 0:
+    raise ValueError(f"config.num_epochs={config.num_epochs} must be positive "
+                     "(or set config.num_train_steps).")
+  if not 0.0 <= config.label_smoothing < 1.0:
+    raise ValueError(f"config.label_smoothing={config.label_smoothing} must "
+                     "be in [0, 1).")
+  _check_choice(config, "optimizer", optim.OPTIMIZERS)
+  _check_choice(config, "trainable", optim.TRAINABLE)
+  _check_choice(config, "normalization", augment.NORMALIZATIONS)
+  _check_choice(config, "posemb_resize", pretrained.RESIZE_METHODS)
+  _check_choice(config, "schedule", optim.SCHEDULES)
+  _check_choice(config, "auto_augment", augment.AUTO_AUGMENTS)
+  if config.model.posemb not in vit.POSITION_EMBEDDINGS:
+    raise ValueError(
+        f"config.model.posemb={config.model.posemb!r} is not supported; "
+        f"choose one of {vit.POSITION_EMBEDDINGS}.")
+  for key in ("random_erasing", "ema_decay", "model.drop_path_rate",
+              "model.patch_dropout_rate"):
+    value = (config.model[key.removeprefix("model.")]
+             if key.startswith("model.") else config[key])
+    if not 0.0 <= value < 1.0:
+      raise ValueError(f"config.{key}={value} must be in [0, 1).")
+  for key in ("mixup_alpha", "cutmix_alpha", "sam_rho",
+              "unmasked_tuning_epochs"):
+    if config[key] < 0:
+      raise ValueError(f"config.{key}={config[key]} must be >= 0 (0 "
+                       "disables it).")
+  if config.unmasked_tuning_epochs and not config.model.patch_dropout_rate:
+    raise ValueError(
+        f"config.unmasked_tuning_epochs={config.unmasked_tuning_epochs} "
+        "tunes a model trained with patch dropout on every patch, but "
+        "config.model.patch_dropout_rate is 0: set a rate, or set "
+        "unmasked_tuning_epochs=0.")
+  if config.unmasked_tuning_learning_rate <= 0:
+    raise ValueError(f"config.unmasked_tuning_learning_rate="
+                     f"{config.unmasked_tuning_learning_rate} must be > 0.")
+  if not 0.0 < config.layer_decay <= 1.0:
+    raise ValueError(f"config.layer_decay={config.layer_decay} must be in "
+                     "(0, 1]; 1 disables it.")
+  if not 0.0 <= config.randaugment_magnitude <= 10.0:
+    raise ValueError(f"config.randaugment_magnitude="
+                     f"{config.randaugment_magnitude} must be in [0, 10].")
+  if config.accum_steps < 1 or config.batch_size % config.accum_steps:
+    raise ValueError(
+        f"config.accum_steps={config.accum_steps} must be >= 1 and divide "
+        f"config.batch_size={config.batch_size}.")
+  if config.time_budget_minutes < 0:
+    raise ValueError(f"config.time_budget_minutes={config.time_budget_minutes}"
+                     " must be >= 0 (0: train num_epochs or num_train_steps).")
+  if config.image_size is not None and config.image_size <= 0:
+    raise ValueError(f"config.image_size={config.image_size} must be "
+                     "positive (or None to keep the dataset's size).")
+  sharding.mesh_shape(config.mesh, jax.device_count())  # raises if unfit
+  if config.fsdp_min_size < 0:
+    raise ValueError(f"config.fsdp_min_size={config.fsdp_min_size} must be "
+                     ">= 0.")
+  if config.init_from is not None and not os.path.exists(config.init_from):
+    raise ValueError(
+        f"config.init_from={config.init_from!r}: no such file or folder. "
+        "Give the path of a checkpoint: an official .npz (release files such "
+        "as imagenet21k/ViT-B_16.npz), a vit_jax workdir, or a torchvision/"
+        "timm/Hugging Face state dict (.pth, .bin, .safetensors).")
+  if config.random_resized_crop and config.crop_padding:
+    raise ValueError(
+        "config.random_resized_crop=True and config.crop_padding="
+        f"{config.crop_padding} are two crops; set crop_padding=0.")
+  if not 0.0 < config.min_crop_area <= 1.0:
+    raise ValueError(f"config.min_crop_area={config.min_crop_area} must be "
+                     "in (0, 1].")
+  if config.crop_padding < 0:
+    raise ValueError(f"config.crop_padding={config.crop_padding} must be >= 0.")
+
+  model = config.model
+  height, width, channels = image_shape_of(config)
+  if height % model.patch_size or width % model.patch_size:
+    raise ValueError(
+        f"config.model.patch_size={model.patch_size} does not divide the "
+        f"{height}x{width} images of {config.dataset}; choose a patch size "
+        f"that divides {height} and {width} (or set config.image_size).")
+  if config.normalization == "imagenet" and channels != 3:
+    raise ValueError(
+        f"config.normalization='imagenet' needs RGB images; {config.dataset} "
+        f"has {channels} channel(s). Use 'dataset' or 'inception'.")
+  if model.hidden_size % model.num_heads:
+    raise ValueError(
+        f"config.model.num_heads={model.num_heads} does not divide "
+        f"config.model.hidden_size={model.hidden_size}.")
+  if model.classifier not in vit.CLASSIFIERS:
+    raise ValueError(
+        f"config.model.classifier={model.classifier!r} is not supported; "
+        f"choose one of {vit.CLASSIFIERS}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """The quantities a run derives from its config, mesh and dataset,
+  computed once (`run_spec`) and passed to the layers that need them."""
+  steps_per_epoch: int
+  upper_bound: int  # num_train_steps, or num_epochs in steps
+  tuning_steps: int  # the unmasked tuning's, at the end; 0 without one
+  eval_every_steps: int
+  image_shape: tuple[int, int, int]  # the model's input (H, W, C)
+  num_patches: int
+
+
+def run_spec(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
+             dataset: datasets.Dataset) -> RunSpec:
+  """`RunSpec` of `config` on `mesh` and `dataset`; raises ValueError
+  naming the key and the fix where they do not fit together (the checks
+  `validate_config` cannot make before the devices and the data are
+  known)."""
+  sharding.check_batch_size(config.batch_size, mesh, "batch_size")
+  sharding.check_batch_size(config.eval_batch_size, mesh, "eval_batch_size")
+  micro_batch = config.batch_size // config.accum_steps
+  if micro_batch % mesh.size:
+    raise ValueError(
+        f"The micro-batch config.batch_size / config.accum_steps = "
+        f"{micro_batch} does not split over {mesh.size} devices; pick "
+        f"accum_steps so that batch_size / accum_steps is a multiple of "
+        f"{mesh.size}.")
+  num_train = len(dataset.train_images)
+  steps_per_epoch = num_train // config.batch_size
+  if steps_per_epoch == 0:
+    raise ValueError(f"config.batch_size={config.batch_size} exceeds the "
+                     f"{num_train} training examples; lower it.")
+  upper_bound = config.num_train_steps or config.num_epochs * steps_per_epoch
+  tuning_steps = optim.unmasked_tuning_steps(config, steps_per_epoch)
+  if tuning_steps >= upper_bound:
+    raise ValueError(
+        f"config.unmasked_tuning_epochs={config.unmasked_tuning_epochs} "
+        f"({tuning_steps} steps) leaves nothing of the run's {upper_bound} "
+        "steps to train with patch dropout; make it shorter.")
+  height, width, channels = dataset.image_shape
+  if config.image_size is not None:
+    height = width = config.image_size
+  patch = config.model.patch_size
+  return RunSpec(steps_per_epoch=steps_per_epoch, upper_bound=upper_bound,
+                 tuning_steps=tuning_steps,
+                 eval_every_steps=steps_per_epoch * config.eval_every_epochs,
+                 image_shape=(height, width, channels),
+                 num_patches=(height // patch) * (width // patch))

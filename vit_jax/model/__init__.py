@@ -1,0 +1,1 @@
+"""The model: the paper's ViT (`vit`) and its named variants (`variants`)."""

@@ -1,0 +1,271 @@
+"""Learning-rate schedule and optimizer: clip -> AdamW, LAMB or SGD.
+
+The schedule warms up and decays; a run with an unmasked tuning
+(config.unmasked_tuning_epochs) ends with that tuning's own short cosine.
+Weight decay skips biases, norms and embeddings (a mask); layer-wise
+learning-rate decay (config.layer_decay < 1) scales each block's updates by
+layer_decay ** (depth from the top), for fine-tuning; with
+config.trainable="head" every other parameter is frozen (no update, no
+optimizer state).
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import traverse_util
+
+from vit_jax.runtime import sharding
+
+# Parameters that get no weight decay unless config.decay_all_params: biases,
+# LayerNorm scales and the learned embeddings (class token, positions).
+# Biases, norm gains, embeddings and the attention temperatures of
+# locality_attention (one scalar per block) are not decayed.
+_NO_DECAY_NAMES = ("bias", "scale", "pos_embedding", "cls", "temperature")
+OPTIMIZERS = ("adamw", "lamb", "sgd")
+TRAINABLE = ("all", "head")
+SCHEDULES = ("cosine", "linear")
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict,
+                           total_steps: int, steps_per_epoch: int
+                           ) -> optax.Schedule:
+  """The schedule of a run of `total_steps`: decay_schedule over all but
+  the last unmasked_tuning_steps, then the unmasked tuning's."""
+  tuning_steps = unmasked_tuning_steps(config, steps_per_epoch)
+  return with_unmasked_tuning(
+      decay_schedule(config, total_steps - tuning_steps, steps_per_epoch),
+      config, total_steps, steps_per_epoch)
+
+
+def unmasked_tuning_steps(config: ml_collections.ConfigDict,
+                          steps_per_epoch: int) -> int:
+  """The steps at the end of a run that train on every patch (0 if
+  config.unmasked_tuning_epochs is 0)."""
+  return int(round(config.unmasked_tuning_epochs * steps_per_epoch))
+
+
+def with_unmasked_tuning(schedule: optax.Schedule,
+                         config: ml_collections.ConfigDict, total_steps: int,
+                         steps_per_epoch: int) -> optax.Schedule:
+  """`schedule` up to the unmasked tuning of a run of `total_steps`, then a
+  cosine decay from config.unmasked_tuning_learning_rate to 0 over it: the
+  main schedule has all but ended, and the tuning starts afresh, small."""
+  tuning_steps = unmasked_tuning_steps(config, steps_per_epoch)
+  if not tuning_steps:
+    return schedule
+  return optax.join_schedules(
+      [schedule, optax.cosine_decay_schedule(
+          config.unmasked_tuning_learning_rate, tuning_steps)],
+      [total_steps - tuning_steps])
+
+
+def decay_schedule(config: ml_collections.ConfigDict, total_steps: int,
+                   steps_per_epoch: int) -> optax.Schedule:
+  """Linear warm-up from 0 to `learning_rate`, then cosine (or linear,
+  config.schedule) decay to `end_learning_rate` at step total_steps."""
+  warmup_steps = config.warmup_steps
+  if warmup_steps is None:
+    warmup_steps = int(round(config.warmup_epochs * steps_per_epoch))
+  # Short runs (smoke tests) keep at least one step of cosine decay.
+  warmup_steps = max(min(warmup_steps, total_steps - 1), 0)
+  if config.schedule == "linear":
+    return optax.join_schedules([
+        optax.linear_schedule(0.0, config.learning_rate, warmup_steps),
+        optax.linear_schedule(config.learning_rate, config.end_learning_rate,
+                              max(total_steps - warmup_steps, 1))],
+                                [warmup_steps])
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=config.learning_rate,
+      warmup_steps=max(warmup_steps, 0),
+      decay_steps=max(total_steps, 1),
+      end_value=config.end_learning_rate)
+
+
+def weight_decay_mask(params):
+  """True for the parameters weight decay applies to (kernels)."""
+  flat = traverse_util.flatten_dict(params)
+  return traverse_util.unflatten_dict(
+      {path: path[-1] not in _NO_DECAY_NAMES for path in flat})
+
+
+def layer_index(path: tuple[str, ...], num_layers: int) -> int:
+  """0 for the embeddings, i + 1 for encoder block i, num_layers + 1 for
+  the final norm and the head."""
+  if (path[0] in ("embedding", "embedding_norm", "cls")
+      or "posembed_input" in path):
+    return 0
+  block = re.fullmatch(r"encoderblock_(\d+)", path[1] if len(path) > 1
+                       else "")
+  return int(block.group(1)) + 1 if block else num_layers + 1
+
+
+def scale_by_layer(decay: float) -> optax.GradientTransformation:
+  """Multiplies the update of a parameter at layer_index i by
+  decay ** (num_layers + 1 - i): the head keeps the full learning rate,
+  each block below it a factor `decay` less (BEiT-style fine-tuning)."""
+
+  def update(updates, state, params=None):
+    del params
+    flat = traverse_util.flatten_dict(updates)
+    num_layers = len({path[1] for path in flat if len(path) > 1 and
+                      path[1].startswith("encoderblock_")})
+    scaled = {path: value * decay ** (num_layers + 1 -
+                                      layer_index(path, num_layers))
+              for path, value in flat.items()}
+    return traverse_util.unflatten_dict(scaled), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(),
+                                      update)
+
+
+def trainable_labels(params, trainable: str):
+  """"train" or "freeze" per parameter: everything, or only the head."""
+  flat = traverse_util.flatten_dict(params)
+  return traverse_util.unflatten_dict({
+      path: "train" if trainable == "all" or path[0] == "head" else "freeze"
+      for path in flat})
+
+
+def global_norm(tree, sharded: bool = False) -> jax.Array:
+  """The L2 norm of all of `tree`'s leaves together, a scalar
+  (`optax.global_norm`'s value, up to float rounding).
+
+  Why one vector: optax reduces each leaf on its own, ~200 reductions for
+  a ViT, and XLA:CPU compiled those ~2.5 s slower in a vit_tiny_cifar
+  train step than this one reduction over the leaves concatenated. With
+  `sharded` (leaves split over devices, FSDP) each leaf is reduced where it
+  lies: concatenating would gather every shard onto every device.
+  """
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return jnp.zeros((), jnp.float32)
+  if sharded:  # in their own shapes: raveling can gather too
+    return jnp.sqrt(sum(jnp.sum(jnp.square(leaf)) for leaf in leaves))
+  flat = jnp.concatenate([jnp.ravel(leaf) for leaf in leaves])
+  return jnp.sqrt(jnp.sum(jnp.square(flat)))
+
+
+def shards_params(config: ml_collections.ConfigDict) -> bool:
+  """Whether config.mesh splits parameters over devices (fsdp > 1)."""
+  mesh_config = config.get("mesh") or sharding.default_mesh_config()
+  sizes = sharding.mesh_shape(mesh_config, jax.device_count())
+  return sizes[sharding.FSDP_AXIS] > 1
+
+
+def clip_by_global_norm(max_norm: float, sharded: bool = False
+                        ) -> optax.GradientTransformation:
+  """`optax.clip_by_global_norm` through `global_norm`: updates scaled by
+  max_norm / norm when their norm exceeds max_norm. No state, as optax's,
+  so checkpoints of either restore into the other."""
+
+  def update(updates, state, params=None):
+    del params
+    norm = global_norm(updates, sharded)
+    keep = norm < max_norm
+    return jax.tree.map(
+        lambda u: jnp.where(keep, u, u / norm.astype(u.dtype) * max_norm),
+        updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(),
+                                      update)
+
+
+def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9,
+          b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
+          mask=None) -> optax.GradientTransformation:
+  """`optax.adamw`, the same state and values, traced once per shape.
+
+  Why: optax traces ~20 `jax.numpy` operations for every parameter, each a
+  small jit of its own to trace and inline; for vit_tiny_cifar's 152
+  parameter arrays that was most of the train step's tracing. Here one
+  jitted function does a parameter's whole update (moments, bias
+  correction, decay, learning rate), traced once for each shape and decay
+  flag: tracing + lowering that step took 1.41-1.74 s with optax.adamw and
+  0.97-1.08 s with this. The arithmetic is optax's, in its order
+  (tests/test_train.py compares bit for bit); the state is optax.adamw's,
+  so checkpoints restore with either.
+
+  learning_rate: a float or a schedule of the step count; weight_decay: a
+  float; mask: a pytree of bools or a function of the params giving one
+  (True: decayed).
+  """
+  reference = optax.adamw(learning_rate, b1, b2, eps,
+                          weight_decay=weight_decay, mask=mask)
+
+  @functools.partial(jax.jit, static_argnames="decayed")
+  def leaf_update(grad, mu, nu, param, correction1, correction2, step_size,
+                  *, decayed):
+    mu = (1 - b1) * grad + b1 * mu
+    nu = (1 - b2) * grad ** 2 + b2 * nu
+    update = ((mu / correction1.astype(mu.dtype))
+              / (jnp.sqrt(nu / correction2.astype(nu.dtype)) + eps))
+    if decayed and weight_decay:
+      update = update + weight_decay * param
+    return jnp.asarray(step_size, grad.dtype) * update, mu, nu
+
+  def update_fn(grads, state, params=None):
+    if params is None:
+      raise ValueError(optax.NO_PARAMS_MSG)
+    adam, decay_state, rate_state = state
+    count = optax.safe_increment(adam.count)
+    if callable(learning_rate):
+      step_size = -1 * learning_rate(rate_state.count)
+      rate_state = rate_state._replace(
+          count=optax.safe_increment(rate_state.count))
+    else:
+      step_size = -1 * learning_rate
+    # Under optax.multi_transform, the parameters of other groups are
+    # MaskedNodes (no leaves), and a mask function gives a flag for each.
+    masked = lambda x: isinstance(x, optax.MaskedNode)
+    treedef = jax.tree.structure(params, is_leaf=masked)
+    decayed = mask(params) if callable(mask) else mask
+    flags = ([True] * treedef.num_leaves if decayed is None
+             else treedef.flatten_up_to(decayed))
+    corrections = 1 - b1 ** count, 1 - b2 ** count
+    leaves = [(param,) * 3 if masked(param) else
+              leaf_update(grad, mu, nu, param, *corrections, step_size,
+                          decayed=bool(flag))
+              for grad, mu, nu, param, flag in zip(
+                  *(treedef.flatten_up_to(tree)
+                    for tree in (grads, adam.mu, adam.nu, params)), flags)]
+    updates, mu, nu = (treedef.unflatten(part) for part in zip(*leaves))
+    adam = adam._replace(count=count, mu=mu, nu=nu)
+    return updates, (adam, decay_state, rate_state)
+
+  return optax.GradientTransformation(reference.init, update_fn)
+
+
+def make_optimizer(config: ml_collections.ConfigDict,
+                   schedule: optax.Schedule) -> optax.GradientTransformation:
+  """Global-norm clipping (if grad_clip_norm > 0), then AdamW or SGD."""
+  mask = None if config.decay_all_params else weight_decay_mask
+  if config.optimizer == "adamw":
+    update = adamw(
+        learning_rate=schedule, b1=config.adam_b1, b2=config.adam_b2,
+        weight_decay=config.weight_decay, mask=mask)
+  elif config.optimizer == "lamb":
+    update = optax.lamb(
+        learning_rate=schedule, b1=config.adam_b1, b2=config.adam_b2,
+        weight_decay=config.weight_decay, mask=mask)
+  elif config.optimizer == "sgd":
+    update = optax.chain(
+        optax.add_decayed_weights(config.weight_decay, mask),
+        optax.sgd(learning_rate=schedule, momentum=config.momentum))
+  else:
+    raise ValueError(f"config.optimizer={config.optimizer!r} is not "
+                     f"supported; choose one of {OPTIMIZERS}.")
+  if config.layer_decay < 1.0:
+    update = optax.chain(update, scale_by_layer(config.layer_decay))
+  if config.grad_clip_norm > 0:
+    update = optax.chain(
+        clip_by_global_norm(config.grad_clip_norm, shards_params(config)),
+        update)
+  if config.trainable != "all":
+    update = optax.multi_transform(
+        {"train": update, "freeze": optax.set_to_zero()},
+        lambda params: trainable_labels(params, config.trainable))
+  return update

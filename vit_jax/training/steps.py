@@ -1,0 +1,272 @@
+"""The functional core of training: state, steps, their compilation.
+
+`create_train_state` builds the state in place on a mesh; `train_step` and
+`eval_step` are pure functions of arrays and pytrees, and
+`compile_train_step` / `compile_eval_step` jit them once for a config with
+declared shardings (the state placed by the rules of
+`sharding.state_shardings`: replicated, or split over the "fsdp" mesh axis;
+batches split over every device). `evaluate` runs a compiled eval step over
+a test set. The loop around them, with its I/O, logging and checkpoints, is
+`train.train_and_evaluate`.
+"""
+
+import functools
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax.training import train_state
+
+from vit_jax.data import augment, datasets, input_pipeline, mixing
+from vit_jax.runtime import sharding
+from vit_jax.training import optim
+
+
+class TrainState(train_state.TrainState):
+  """Params, optimizer state, step, and the run's base RNG key.
+
+  The key of step s is fold_in(rng, s), so randomness depends on the step
+  only and a resumed run draws exactly what an uninterrupted one would.
+  """
+  rng: jax.Array
+  ema_params: Any = None  # moving average of params, if enabled
+
+
+def create_train_state(model: nn.Module, image_shape: tuple[int, int, int],
+                       optimizer: optax.GradientTransformation, seed: int,
+                       mesh: jax.sharding.Mesh, fsdp_min_size: int = 1024,
+                       ema: bool = False) -> TrainState:
+  """Initialises parameters and optimizer state directly in place on `mesh`.
+
+  Each device computes only its own slice (jit with out_shardings), so a
+  model split by FSDP never exists whole on one device, not even at init.
+  With `ema`, the state also holds a moving average of the params, started
+  at the initial params.
+  """
+
+  def init(key):
+    params_key, state_key = jax.random.split(key)
+    dummy = jnp.zeros((1,) + tuple(image_shape), jnp.float32)
+    params = model.init({"params": params_key}, dummy, train=False)["params"]
+    return TrainState.create(apply_fn=model.apply, params=params,
+                             tx=optimizer, rng=state_key,
+                             ema_params=params if ema else None)
+
+  key = jax.random.PRNGKey(seed)
+  shardings = sharding.state_shardings(mesh, jax.eval_shape(init, key),
+                                       fsdp_min_size)
+  return jax.jit(init, out_shardings=shardings)(key)
+
+
+def shardings_of(tree):
+  """The sharding of every array in `tree` (for jit's in/out_shardings)."""
+  return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def soft_targets(labels: jax.Array, num_classes: int,
+                 label_smoothing: float = 0.0) -> jax.Array:
+  """int labels (B,) -> one-hot (B, K), smoothed if label_smoothing > 0."""
+  targets = jax.nn.one_hot(labels, num_classes)
+  if label_smoothing:
+    targets = optax.smooth_labels(targets, label_smoothing)
+  return targets
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array,
+                  label_smoothing: float = 0.0) -> jax.Array:
+  """Per-example softmax cross-entropy. logits (B, K), int labels (B,)."""
+  return optax.softmax_cross_entropy(
+      logits, soft_targets(labels, logits.shape[-1], label_smoothing))
+
+
+def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
+               preprocess: Callable[[jax.Array, jax.Array], jax.Array],
+               label_smoothing: float, learning_rate_fn: optax.Schedule,
+               accum_steps: int = 1, skip_nonfinite: bool = False,
+               mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
+               ema_decay: float = 0.0, ema_start_step: int = 0,
+               sam_rho: float = 0.0, sharded_params: bool = False
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer step on a uint8 batch (B, H, W, C) with int labels (B,).
+
+  `preprocess(images, key)` augments and normalises on device; the targets
+  are the smoothed one-hot labels, mixed with the images by Mixup/CutMix
+  when an alpha is > 0 (accuracy is still against the original labels).
+  With ema_decay > 0, state.ema_params follows the params with decay
+  min(ema_decay, (1 + t) / (10 + t)), t = step - ema_start_step (a phase
+  that changes the model, the unmasked tuning, restarts the ramp). With
+  accum_steps > 1 the batch is processed as that many micro-batches (a scan:
+  one micro-batch's activations live at a time) whose mean gradient makes
+  the single update, equal to the whole batch's gradient. With
+  skip_nonfinite, a step whose loss or gradient is NaN/Inf leaves params and
+  optimizer state unchanged (the step counter still advances). With
+  sam_rho > 0 (sharpness-aware minimisation, Foret et al. 2021) the update
+  uses the gradient at params + sam_rho * g / |g|, g the batch's (or
+  micro-batch's) gradient, on the same inputs and dropout: two forward and
+  backward passes per step. Loss and accuracy are those at the params.
+  sharded_params says the params are split over devices (FSDP), for
+  `optim.global_norm`.
+  """
+  step_key = jax.random.fold_in(state.rng, state.step)
+
+  num_classes = state.params["head"]["bias"].shape[-1]
+
+  def gradients(images, labels, key):
+    augment_key, mix_key, dropout_key = jax.random.split(key, 3)
+    inputs = preprocess(images, augment_key)
+    targets = soft_targets(labels, num_classes, label_smoothing)
+    inputs, targets = mixing.mix_batch(inputs, targets, mix_key,
+                                       mixup_alpha=mixup_alpha,
+                                       cutmix_alpha=cutmix_alpha)
+
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, inputs, train=True,
+                              rngs={"dropout": dropout_key})
+      return optax.softmax_cross_entropy(logits, targets).mean(), logits
+
+    (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params)
+    if sam_rho:
+      # The global norm: under jit the gradient is already the whole
+      # (micro-)batch's, so every device climbs to the same point.
+      scale = sam_rho / (optim.global_norm(grads, sharded_params) + 1e-12)
+      ascended = jax.tree.map(lambda p, g: p + scale * g, state.params, grads)
+      grads, _ = jax.grad(loss_fn, has_aux=True)(ascended)
+    return grads, loss, jnp.mean(jnp.argmax(logits, -1) == labels)
+
+  if accum_steps == 1:
+    grads, loss, accuracy = gradients(images, labels, step_key)
+  else:
+    # Micro-batch m takes rows m, m + accum_steps, ...: each device's rows
+    # stay on that device, so the split needs no communication.
+    def split(x):
+      x = x.reshape((x.shape[0] // accum_steps, accum_steps) + x.shape[1:])
+      return jnp.swapaxes(x, 0, 1)
+
+    def accumulate(totals, micro_batch):
+      images, labels, index = micro_batch
+      results = gradients(images, labels, jax.random.fold_in(step_key, index))
+      return jax.tree.map(jnp.add, totals, results), None
+
+    zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros(()),
+             jnp.zeros(()))
+    totals, _ = jax.lax.scan(accumulate, zeros, (
+        split(images), split(labels), jnp.arange(accum_steps)))
+    grads, loss, accuracy = jax.tree.map(lambda x: x / accum_steps, totals)
+  grad_norm = optim.global_norm(grads, sharded_params)
+  metrics = {
+      "loss": loss,
+      "accuracy": accuracy,
+      "learning_rate": learning_rate_fn(state.step),
+      "grad_norm": grad_norm,
+  }
+  new_state = state.apply_gradients(grads=grads)
+  if ema_decay:
+    step = (state.step - ema_start_step).astype(jnp.float32)
+    decay = jnp.minimum(ema_decay, (1.0 + step) / (10.0 + step))
+    new_state = new_state.replace(ema_params=jax.tree.map(
+        lambda average, new: decay * average + (1.0 - decay) * new,
+        state.ema_params, new_state.params))
+  if skip_nonfinite:
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                             new_state, state).replace(step=state.step + 1)
+  return new_state, metrics
+
+
+def eval_step(params: Any, images: jax.Array, labels: jax.Array,
+              mask: jax.Array, *, apply_fn: Callable[..., jax.Array],
+              preprocess: Callable[[jax.Array], jax.Array],
+              flip_average: bool = False) -> dict[str, jax.Array]:
+  """Sums of loss and correct predictions over the real (mask=1) examples.
+
+  Takes the params alone, not the train state: evaluating the moving
+  average, or a state whose optimizer was rebuilt (a time budget's new
+  schedule), then reuses the one compilation.
+  apply_fn: the model's `apply`. flip_average: classify by the mean logits
+  of each image and its mirror.
+  """
+  logits_fn = lambda inputs: apply_fn({"params": params}, inputs, train=False)
+  inputs = preprocess(images)
+  logits = (augment.mirror_averaged(logits_fn, inputs) if flip_average
+            else logits_fn(inputs))
+  correct = jnp.argmax(logits, -1) == labels
+  return {"loss_sum": jnp.sum(cross_entropy(logits, labels) * mask),
+          "correct": jnp.sum(correct * mask),
+          "count": jnp.sum(mask)}
+
+
+def compile_train_step(config: ml_collections.ConfigDict,
+                       mesh: jax.sharding.Mesh, state_sharding,
+                       mean: np.ndarray, std: np.ndarray, flip: bool,
+                       learning_rate_fn: optax.Schedule,
+                       ema_start_step: int = 0):
+  """The jitted train step for `config`, with shardings declared.
+
+  `state_sharding` is the train state's layout (`shardings_of(state)`); the
+  new state keeps it, and metrics come back replicated.
+  """
+  batch = sharding.batch_sharded(mesh)
+  return jax.jit(
+      functools.partial(
+          train_step,
+          preprocess=functools.partial(
+              augment.train_preprocess, mean=mean, std=std,
+              crop_padding=config.crop_padding, flip=flip,
+              image_size=config.image_size,
+              resized_crop=config.random_resized_crop,
+              min_crop_area=config.min_crop_area,
+              auto_augment=config.auto_augment,
+              randaugment_num_ops=config.randaugment_num_ops,
+              randaugment_magnitude=config.randaugment_magnitude,
+              erase_probability=config.random_erasing),
+          label_smoothing=config.label_smoothing,
+          learning_rate_fn=learning_rate_fn,
+          accum_steps=config.accum_steps,
+          skip_nonfinite=config.skip_nonfinite_steps,
+          mixup_alpha=config.mixup_alpha, cutmix_alpha=config.cutmix_alpha,
+          ema_decay=config.ema_decay, ema_start_step=ema_start_step,
+          sam_rho=config.sam_rho,
+          sharded_params=optim.shards_params(config)),
+      in_shardings=(state_sharding, batch, batch),
+      out_shardings=(state_sharding, sharding.replicated(mesh)),
+      donate_argnums=0)
+
+
+def compile_eval_step(config: ml_collections.ConfigDict,
+                      mesh: jax.sharding.Mesh, apply_fn: Callable[..., Any],
+                      params_sharding, mean: np.ndarray, std: np.ndarray):
+  """The jitted eval step for `config`: eval_fn(params, images, labels,
+  mask), params laid out as `params_sharding` (`shardings_of(params)`)."""
+  batch = sharding.batch_sharded(mesh)
+  return jax.jit(
+      functools.partial(
+          eval_step, apply_fn=apply_fn, preprocess=functools.partial(
+              augment.eval_preprocess, mean=mean, std=std,
+              image_size=config.image_size),
+          flip_average=config.eval_flip_average),
+      in_shardings=(params_sharding, batch, batch, batch),
+      out_shardings=sharding.replicated(mesh))
+
+
+def evaluate(eval_fn, params: Any, dataset: datasets.Dataset,
+             batch_size: int, mesh: jax.sharding.Mesh) -> dict[str, float]:
+  """Loss and accuracy of `params` over every test example, each counted
+  once."""
+  totals = None
+  for images, labels, mask in input_pipeline.eval_batches(
+      dataset.test_images, dataset.test_labels, batch_size, mesh):
+    sums = eval_fn(params, images, labels, mask)
+    if totals is not None:
+      jax.block_until_ready(totals)  # bounded queue, as in train.py's loop
+    # Summed on device: one host transfer per evaluation, not per batch.
+    totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+  totals = jax.device_get(totals)
+  count = float(totals["count"])
+  return {"loss": float(totals["loss_sum"]) / count,
+          "accuracy": float(totals["correct"]) / count,
+          "num_examples": count}
