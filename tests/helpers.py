@@ -1,12 +1,35 @@
-"""Shared helpers of the tests."""
+"""Shared helpers of the tests: small models and configs, counting
+compiles, and running the project's scripts in fresh processes."""
 
 import logging
+import os
+import subprocess
+import sys
+from typing import Mapping, Optional
 
 import jax
 
 from vit_jax import config as config_lib
 from vit_jax.training import loop
 from vit_jax.model.vit import VisionTransformer
+
+# The repository's root: the scripts (main.py, benchmarks/) run from there.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+
+
+def run_python(*args: str, env: Optional[Mapping[str, str]] = None,
+               timeout: int = 600) -> subprocess.CompletedProcess:
+  """`python *args` in a fresh process at the repository's root, with
+  `env` over this process's environment (the repository and tests/
+  importable); its output captured as text. Does not check the exit code:
+  the caller asserts it, with the stderr."""
+  full_env = dict(os.environ, **(env or {}))
+  full_env["PYTHONPATH"] = os.pathsep.join(
+      [ROOT, TESTS] + ([full_env["PYTHONPATH"]]
+                       if full_env.get("PYTHONPATH") else []))
+  return subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env,
+                        capture_output=True, text=True, timeout=timeout)
 
 
 def small_vit(**overrides) -> VisionTransformer:

@@ -4,23 +4,20 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+from helpers import ROOT, run_python
 
 
 def _run(*args: str, env: dict[str, str] | None = None,
          timeout: int = 600) -> list[str]:
   """Runs `python *args` in the repository and returns its stdout lines;
   the test fails with the script's stderr if it fails."""
-  result = subprocess.run([sys.executable, *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, **(env or {})))
+  result = run_python(*args, env=env, timeout=timeout)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout.strip().splitlines()
 

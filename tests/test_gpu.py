@@ -11,8 +11,6 @@ process.
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -293,14 +291,9 @@ def test_deterministic_ops_repeat_the_losses_exactly(gpu):
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
                       + " --xla_gpu_deterministic_ops=true").strip()
-  tests_dir = os.path.dirname(os.path.abspath(__file__))
-  env["PYTHONPATH"] = os.pathsep.join(
-      [tests_dir, os.path.dirname(tests_dir), env.get("PYTHONPATH", "")])
   runs = []
   for _ in range(2):
-    out = subprocess.run([sys.executable, "-c", _DETERMINISM_SCRIPT],
-                         env=env, capture_output=True, text=True,
-                         check=False, timeout=300)
+    out = helpers.run_python("-c", _DETERMINISM_SCRIPT, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
   assert runs[0] == runs[1]

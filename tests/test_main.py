@@ -4,15 +4,13 @@ import glob
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
+from helpers import ROOT, run_python
 from vit_jax import config as config_lib
 from vit_jax.training import metric_writer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run_main(*flags, devices=1):
@@ -20,8 +18,7 @@ def _run_main(*flags, devices=1):
   env = dict(os.environ)
   env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices}"
                       if devices else "")
-  return subprocess.run([sys.executable, "main.py", *flags], cwd=ROOT,
-                        env=env, capture_output=True, text=True, timeout=600)
+  return run_python("main.py", *flags, env=env)
 
 
 SMALL_MODEL = ["--config.model.num_layers=2", "--config.model.hidden_size=32",
@@ -97,11 +94,9 @@ def test_finetune_config_runs_from_an_official_layout_checkpoint(tmp_path):
   """The README's fine-tuning smoke run: random ImageNet-21k-shaped ViT-B/16
   .npz -> 384 px, new head, SGD with accumulation, on synthetic data."""
   npz = str(tmp_path / "ViT-B_16.npz")
-  converted = subprocess.run(
-      [sys.executable, "-m", "vit_jax.checkpoints.convert", "--random_init=ViT-B/16",
-       "--num_classes=21843", "--representation_size=768",
-       f"--output={npz}"], cwd=ROOT, capture_output=True, text=True,
-      timeout=600)
+  converted = run_python(
+      "-m", "vit_jax.checkpoints.convert", "--random_init=ViT-B/16",
+      "--num_classes=21843", "--representation_size=768", f"--output={npz}")
   assert converted.returncode == 0, converted.stderr
   assert "103,186,515 parameters" in converted.stdout
   result = _run_main(

@@ -5,7 +5,7 @@ import re
 
 import chex
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT  # pylint: disable=wrong-import-order
 
 
 def test_readme_library_example_runs():

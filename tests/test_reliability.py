@@ -15,7 +15,7 @@ from helpers import small_config
 from vit_jax.checkpoints import orbax_checkpoints, pretrained
 from vit_jax.training import loop, metric_writer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT  # pylint: disable=wrong-import-order
 FLAGS = ["--config=configs/vit_tiny_fashion_mnist.py",
          "--config.dataset=synthetic", "--config.synthetic.image_size=16",
          "--config.synthetic.channels=1", "--config.synthetic.num_train=256",

@@ -17,41 +17,26 @@ checkpoint tree, so released `.npz` files map onto this model one to one:
 """
 
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from vit_jax.kernels import attention, cpu_attention, matmuls
+from vit_jax.kernels import attention, block_runner, cpu_attention, matmuls
+from vit_jax.kernels.matmuls import per_token
+from vit_jax.model import options
+from vit_jax.model.options import ViTInputError
 
 Dtype = Any
 CLASSIFIERS = ("token", "gap")
 POSITION_EMBEDDINGS = ("learn", "sincos2d")
 
 
-def num_kept_patches(num_patches: int, patch_dropout_rate: float) -> int:
-  """How many of an image's patches a training step keeps (at least 1)."""
-  return max(1, round(num_patches * (1.0 - patch_dropout_rate)))
-
-
-class ViTInputError(ValueError):
-  """An input the model cannot take; the message says what to change."""
-
-
-def per_token(layer, x: jax.Array) -> jax.Array:
-  """layer applied to x (B, T, ...) as one (B*T, ...) matrix of tokens.
-
-  The same values as layer(x) for a token-wise layer (LayerNorm, Dense, MLP).
-  Why: the gradients of its biases and LayerNorm scales are then sums over
-  one axis of B*T rows. Over (B, T), XLA:CPU sums in 32 x 32 windows and
-  pads T (65 tokens to 96), 2-5x slower: a 768-wide bias gradient of
-  vit_tiny_cifar took 9 ms that way and 1.8 ms this way.
-  """
-  batch, num_tokens = x.shape[:2]
-  y = layer(x.reshape(batch * num_tokens, *x.shape[2:]))
-  return y.reshape(batch, num_tokens, *y.shape[1:])
+def _split(key: Optional[jax.Array], num: int) -> list[Optional[jax.Array]]:
+  """num keys from `key` for a module's dropout sites; all None (each site
+  then draws from the "dropout" stream) without one."""
+  return [None] * num if key is None else list(jax.random.split(key, num))
 
 
 class MlpBlock(nn.Module):
@@ -69,8 +54,10 @@ class MlpBlock(nn.Module):
   param_dtype: Dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
+  def __call__(self, x: jax.Array, *, deterministic: bool,
+               dropout_key: Optional[jax.Array] = None) -> jax.Array:
     out_dim = x.shape[-1]
+    hidden_key, out_key = _split(dropout_key, 2)
     dense = lambda features, name, dot_general=matmuls.dense_dot_general: (
         nn.Dense(features, dtype=self.dtype, param_dtype=self.param_dtype,
                  kernel_init=nn.initializers.xavier_uniform(),
@@ -82,9 +69,11 @@ class MlpBlock(nn.Module):
           self.approximate_gelu))(x)
     else:
       x = nn.gelu(x, approximate=self.approximate_gelu)
-      x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+      x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic,
+                                        rng=hidden_key)
       x = dense(out_dim, "Dense_1")(x)
-    return nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+    return nn.Dropout(self.dropout_rate)(x, deterministic=deterministic,
+                                         rng=out_key)
 
 
 class HeadsProjection(nn.Module):
@@ -142,7 +131,8 @@ class MultiHeadSelfAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, *, deterministic: bool,
-               num_query_tokens: Optional[int] = None) -> jax.Array:
+               num_query_tokens: Optional[int] = None,
+               dropout_key: Optional[jax.Array] = None) -> jax.Array:
     hidden_size = x.shape[-1]
     if hidden_size % self.num_heads:
       raise ViTInputError(
@@ -215,110 +205,10 @@ class MultiHeadSelfAttention(nn.Module):
     weights = attention.softmax(logits)
     self.sow("intermediates", "attention_weights", weights)
     weights = nn.Dropout(self.attention_dropout_rate)(
-        weights, deterministic=deterministic).astype(self.dtype)
+        weights, deterministic=deterministic, rng=dropout_key
+    ).astype(self.dtype)
     attended = jnp.einsum("bhqk,bhkd->bhqd", weights, value)
     return per_token(output, jnp.swapaxes(attended, 1, 2))
-
-
-def drop_path(module: nn.Module, x: jax.Array, rate: float | jax.Array,
-              deterministic: bool,
-              uniform: Optional[jax.Array] = None) -> jax.Array:
-  """Stochastic depth: zeroes the whole residual branch x (B, ...) of each
-  example with probability `rate`, scaling the kept ones by 1 / (1 - rate).
-  An example is kept where its `uniform` (B,) draw in [0, 1) is below
-  1 - rate; without `uniform`, it is drawn from the "dropout" RNG stream."""
-  # rate is a traced scalar when drop path is on (block_function takes the
-  # per-layer rates as arguments, so all blocks share one trace).
-  if deterministic or (isinstance(rate, (int, float)) and rate == 0.0):
-    return x
-  if uniform is None:
-    uniform = jax.random.uniform(module.make_rng("dropout"), (x.shape[0],))
-  keep = (uniform < 1.0 - rate).reshape((x.shape[0],) + (1,) * (x.ndim - 1))
-  return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
-
-
-def _apply_block(block: "Encoder1DBlock", params: Any, x: jax.Array,
-                 rate: Optional[jax.Array], key: Optional[jax.Array],
-                 deterministic: bool, num_query_tokens: Optional[int],
-                 drop_path_uniforms: Optional[jax.Array] = None
-                 ) -> jax.Array:
-  """block (free-standing, parent=None) applied to x (B, T, D) with params;
-  rate, if given, replaces its drop-path rate; key feeds its dropout;
-  drop_path_uniforms (2, B) decide its drop path."""
-  if rate is not None:
-    block = block.clone(drop_path_rate=rate)
-  rngs = {} if key is None else {"dropout": key}
-  return block.apply({"params": params}, x, deterministic=deterministic,
-                     num_query_tokens=num_query_tokens,
-                     drop_path_uniforms=drop_path_uniforms, rngs=rngs)
-
-
-_BLOCK_STATIC_ARGS = (0, 5, 6)  # the block, deterministic, num_query_tokens
-
-
-def _zero_cotangent(value: jax.Array):
-  if jnp.issubdtype(value.dtype, jnp.inexact):
-    return jnp.zeros_like(value)
-  return np.zeros(value.shape, jax.dtypes.float0)  # integer or key inputs
-
-
-# `_apply_block`, keeping only its inputs for the backward pass, which
-# recomputes the block once the output gradient exists.
-_apply_block_rematerialized = jax.custom_vjp(
-    _apply_block, nondiff_argnums=_BLOCK_STATIC_ARGS)
-
-
-def _rematerialized_forward(block, params, x, rate, key, deterministic,
-                            num_query_tokens, drop_path_uniforms=None):
-  return (_apply_block(block, params, x, rate, key, deterministic,
-                       num_query_tokens, drop_path_uniforms),
-          (params, x, rate, key, drop_path_uniforms))
-
-
-def _rematerialized_backward(block, deterministic, num_query_tokens,
-                             inputs, output_grad):
-  params, x, rate, key, drop_path_uniforms = inputs
-  x = matmuls.tie_to_gradient(x, output_grad)
-  _, vjp = jax.vjp(lambda params, x: _apply_block(
-      block, params, x, rate, key, deterministic, num_query_tokens,
-      drop_path_uniforms), params, x)
-  params_grad, x_grad = vjp(output_grad)
-  # No gradients for the drop-path rate, the dropout key or the draws.
-  zeros = lambda tree: jax.tree.map(_zero_cotangent, tree)
-  return (params_grad, x_grad, zeros(rate), zeros(key),
-          zeros(drop_path_uniforms))
-
-
-_apply_block_rematerialized.defvjp(_rematerialized_forward,
-                                   _rematerialized_backward)
-
-
-@functools.cache
-def block_function(remat: bool, scanned: bool) -> Callable[..., jax.Array]:
-  """`_apply_block`, rematerialized if asked, and jitted unless it is a
-  scan body.
-
-  Remat inside a scan is `jax.checkpoint` (each iteration's recomputation
-  is tied to it); outside, `_apply_block_rematerialized`, whose backward
-  pass ties the recomputation to the output gradient
-  (`matmuls.tie_to_gradient`): `jax.checkpoint` there saved no memory
-  under XLA:CPU.
-
-  Why jit: the blocks of a ViT share their shapes, so jit's trace cache
-  traces (and lowers) one block and reuses it for the others, and for the
-  gradient's blocks: the vit_tiny_cifar train step traces and lowers in
-  ~1.5 s instead of 2-2.7 s. XLA inlines the calls, so the compiled step is
-  the same. Made once per process, so eager calls reuse it too.
-  """
-  function = _apply_block
-  if remat and scanned:
-    function = jax.checkpoint(function, prevent_cse=False,
-                              static_argnums=_BLOCK_STATIC_ARGS)
-  elif remat:
-    function = _apply_block_rematerialized
-  if scanned:  # traced once anyway, as the scan's body
-    return function
-  return jax.jit(function, static_argnums=_BLOCK_STATIC_ARGS)
 
 
 class Encoder1DBlock(nn.Module):
@@ -344,9 +234,11 @@ class Encoder1DBlock(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, *, deterministic: bool,
                num_query_tokens: Optional[int] = None,
-               drop_path_uniforms: Optional[jax.Array] = None) -> jax.Array:
+               drop_path_uniforms: Optional[jax.Array] = None,
+               dropout_key: Optional[jax.Array] = None) -> jax.Array:
     uniforms = ((None, None) if drop_path_uniforms is None
                 else tuple(drop_path_uniforms))
+    attention_key, residual_key, mlp_key = _split(dropout_key, 3)
     norm = lambda name: nn.LayerNorm(
         epsilon=self.layer_norm_epsilon, dtype=self.dtype,
         param_dtype=self.param_dtype, name=name)
@@ -358,21 +250,23 @@ class Encoder1DBlock(nn.Module):
         implementation=self.attention_implementation,
         dtype=self.dtype, param_dtype=self.param_dtype,
         name="MultiHeadDotProductAttention_1")(
-            y, deterministic=deterministic, num_query_tokens=num_query_tokens)
+            y, deterministic=deterministic, num_query_tokens=num_query_tokens,
+            dropout_key=attention_key)
     if num_query_tokens is not None:
       x = x[:, :num_query_tokens]
-    y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
-    x = x + drop_path(self, y, self.drop_path_rate, deterministic,
-                      uniforms[0])
+    y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic,
+                                      rng=residual_key)
+    x = x + options.drop_path(self, y, self.drop_path_rate, deterministic,
+                              uniforms[0])
 
     y = per_token(norm("LayerNorm_2"), x)
     y = per_token(functools.partial(MlpBlock(
         mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
         approximate_gelu=self.approximate_gelu, dtype=self.dtype,
         param_dtype=self.param_dtype, name="MlpBlock_3"),
-        deterministic=deterministic), y)
-    return x + drop_path(self, y, self.drop_path_rate, deterministic,
-                         uniforms[1])
+        deterministic=deterministic, dropout_key=mlp_key), y)
+    return x + options.drop_path(self, y, self.drop_path_rate, deterministic,
+                                 uniforms[1])
 
 
 class Encoder(nn.Module):
@@ -431,17 +325,17 @@ class Encoder(nn.Module):
     capturing = self.is_mutable_collection("intermediates")
     if self.is_initializing() and not capturing:
       self._init_blocks_at_once(x)
-    if not capturing:
-      x = self._run_blocks_functionally(x, deterministic)
+    rates, keys, uniforms = self._block_randomness(x, deterministic)
+    if capturing:
+      x = self._run_blocks_capturing(x, deterministic, rates, keys, uniforms)
     else:
-      for layer in range(self.num_layers):
-        last = layer == self.num_layers - 1 and not capturing
-        x = self._block(self._drop_path_rate_of(layer),
-                        name=f"encoderblock_{layer}")(
-                            x, deterministic=deterministic,
-                            num_query_tokens=(self.num_output_tokens
-                                              if last else None))
-        self.sow("intermediates", "block_outputs", x)
+      x = block_runner.run_blocks(
+          self._block(0.0, parent=None),  # parent=None: free-standing
+          [self.variables["params"][f"encoderblock_{layer}"]
+           for layer in range(self.num_layers)], x, rates=rates, keys=keys,
+          uniforms=uniforms, deterministic=deterministic,
+          num_output_tokens=self.num_output_tokens, remat=self.remat_blocks,
+          scan=self.scan_blocks)
     if self.num_output_tokens is not None:
       x = x[:, :self.num_output_tokens]
     return nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype,
@@ -483,61 +377,55 @@ class Encoder(nn.Module):
         layer_norm_epsilon=self.layer_norm_epsilon, dtype=self.dtype,
         param_dtype=self.param_dtype, **module_kwargs)
 
-  def _run_blocks_functionally(self, x: jax.Array,
-                               deterministic: bool) -> jax.Array:
-    """The blocks as a pure function of (block params, x, rate, key), run
-    through `block_function`: one trace for every block of a shape.
+  def _block_randomness(self, x: jax.Array, deterministic: bool):
+    """Per layer: (drop-path rates, dropout keys, drop-path draws (2, B)),
+    each None where unused; the same whichever way the blocks run.
 
-    Dropout draws from keys split off this module's "dropout" stream, and
-    drop path from one (layers, 2, B) uniform draw made here: the same
-    distribution as the submodule loop, different draws.
+    Dropout keys are split off this module's "dropout" stream, and drop
+    path is one (layers, 2, B) uniform draw: fewer RNG loops for XLA to
+    compile than a draw per residual branch.
     """
-    block_params = [self.variables["params"][f"encoderblock_{layer}"]
-                    for layer in range(self.num_layers)]
+    num = self.num_layers
     dropout = not deterministic and (self.dropout_rate or
                                      self.attention_dropout_rate)
-    keys = (list(jax.random.split(self.make_rng("dropout"), self.num_layers))
-            if dropout else [None] * self.num_layers)
-    # One draw for every block's drop path, not one per residual branch:
-    # fewer RNG loops for XLA to compile.
-    uniforms = (list(jax.random.uniform(
-        self.make_rng("dropout"), (self.num_layers, 2, x.shape[0])))
-                if self.drop_path_rate and not deterministic else
-                [None] * self.num_layers)
+    keys = (list(jax.random.split(self.make_rng("dropout"), num))
+            if dropout else [None] * num)
+    uniforms = (list(jax.random.uniform(self.make_rng("dropout"),
+                                        (num, 2, x.shape[0])))
+                if self.drop_path_rate and not deterministic else [None] * num)
     # Per-layer drop-path rates are arguments (so all blocks share a trace)
     # only when drop path is on; otherwise the template's static 0.0 lets
     # drop_path skip itself.
     rates = ([jnp.float32(self._drop_path_rate_of(layer))
-              for layer in range(self.num_layers)]
-             if self.drop_path_rate else [None] * self.num_layers)
+              for layer in range(num)]
+             if self.drop_path_rate else [None] * num)
     # Why the barrier: XLA would fold each layer's rate (a constant) into
     # that layer's kernels, so no two layers would share a kernel. With it
     # and the one draw, drop path added 52 distinct XLA:CPU kernels to a
     # vit_tiny_cifar train step instead of 119, and ~3 s less compile.
     rates, uniforms = jax.lax.optimization_barrier((rates, uniforms))
-    template = self._block(0.0, parent=None)  # parent=None: free-standing
-    apply_block = block_function(self.remat_blocks, self.scan_blocks)
+    return rates, keys, uniforms
+
+  def _run_blocks_capturing(self, x: jax.Array, deterministic: bool, rates,
+                            keys, uniforms) -> jax.Array:
+    """The blocks as submodules (`encoderblock_{i}`), so that the
+    `intermediates` collection captures what they sow: the values, random
+    draws and gradients of `block_runner.run_blocks`
+    (tests/model/test_vit.py). In evaluation the last block runs in full, so
+    that every layer's attention maps and block outputs are whole (the
+    caller slices the output tokens: the same values); in training it
+    computes only the output tokens, as training does, so that its dropout
+    masks are the same draws."""
     last = self.num_layers - 1
-
-    if self.scan_blocks:
-      stack = lambda *leaves: jnp.stack(leaves)
-      xs = (jax.tree.map(stack, *block_params[:last]),
-            *(None if per_layer[0] is None else jnp.stack(per_layer[:last])
-              for per_layer in (rates, keys, uniforms)))
-
-      def body(x, layer_inputs):
-        params, rate, key, layer_uniforms = layer_inputs
-        return apply_block(template, params, x, rate, key, deterministic,
-                           None, layer_uniforms), None
-
-      x, _ = jax.lax.scan(body, x, xs)
-    else:
-      for layer in range(last):
-        x = apply_block(template, block_params[layer], x, rates[layer],
-                        keys[layer], deterministic, None, uniforms[layer])
-    return apply_block(template, block_params[last], x, rates[last],
-                       keys[last], deterministic, self.num_output_tokens,
-                       uniforms[last])
+    for layer in range(self.num_layers):
+      rate = 0.0 if rates[layer] is None else rates[layer]
+      x = self._block(rate, name=f"encoderblock_{layer}")(
+          x, deterministic=deterministic, drop_path_uniforms=uniforms[layer],
+          dropout_key=keys[layer],
+          num_query_tokens=(self.num_output_tokens
+                            if layer == last and not deterministic else None))
+      self.sow("intermediates", "block_outputs", x)
+    return x
 
   def _add_learned_posemb(self, x: jax.Array,
                           patch_indices: Optional[jax.Array]) -> jax.Array:
@@ -566,28 +454,6 @@ class PositionEmbedding(nn.Module):
   def __call__(self, num_tokens: int, hidden_size: int) -> jax.Array:
     return self.param("pos_embedding", nn.initializers.normal(stddev=0.02),
                       (1, num_tokens, hidden_size), self.param_dtype)
-
-
-def sincos_2d_posemb(grid_h: int, grid_w: int, hidden_size: int,
-                     temperature: float = 10_000.0) -> jax.Array:
-  """Fixed 2-D sine-cosine position embedding, (1, grid_h * grid_w, D).
-
-  A quarter of the channels each hold sin and cos of the column and of the
-  row at geometrically spaced frequencies (as in MoCo v3 and big_vision's
-  small-data ViTs). hidden_size must be divisible by 4.
-  """
-  if hidden_size % 4:
-    raise ViTInputError(f"posemb='sincos2d' needs hidden_size divisible by "
-                        f"4, got {hidden_size}.")
-  quarter = hidden_size // 4
-  frequencies = 1.0 / temperature ** (jnp.arange(quarter) / quarter)
-  rows, cols = jnp.meshgrid(jnp.arange(grid_h), jnp.arange(grid_w),
-                            indexing="ij")
-  x = cols.reshape(-1, 1) * frequencies
-  y = rows.reshape(-1, 1) * frequencies
-  table = jnp.concatenate([jnp.sin(x), jnp.cos(x), jnp.sin(y), jnp.cos(y)],
-                          axis=1)
-  return table[None].astype(jnp.float32)
 
 
 class VisionTransformer(nn.Module):
@@ -685,16 +551,21 @@ class VisionTransformer(nn.Module):
     patch_indices = None  # all patches, in grid order
     # Not at initialisation: the position embedding is made for every patch.
     if train and self.patch_dropout_rate and not self.is_initializing():
-      patch_indices = self._kept_patches(batch, grid_h * grid_w)
+      patch_indices = options.kept_patches(
+          self.make_rng("dropout"), batch, grid_h * grid_w,
+          self.patch_dropout_rate)
     x = images.astype(self.dtype)
     if self.shifted_patches:
-      x = self._embed_shifted_patches(x, patch_indices)
+      x = options.embed_shifted_patches(
+          x, patch_indices, patch_size=self.patch_size,
+          hidden_size=self.hidden_size, epsilon=self.layer_norm_epsilon,
+          dtype=self.dtype, param_dtype=self.param_dtype)
     else:
       x = self._embed_patches(x, patch_indices)
     hidden = x.shape[-1]  # x: (B, N or K, D)
     self.sow("intermediates", "patch_tokens", x)
     if self.posemb == "sincos2d":
-      table = sincos_2d_posemb(grid_h, grid_w, hidden)[0]  # (N, D)
+      table = options.sincos_2d_posemb(grid_h, grid_w, hidden)[0]  # (N, D)
       if patch_indices is not None:
         table = jnp.take(table, patch_indices, axis=0)  # (B, K, D)
       x = x + table.astype(x.dtype)
@@ -738,27 +609,6 @@ class VisionTransformer(nn.Module):
                       kernel_init=nn.initializers.zeros, name="head")(x)
     return logits.astype(jnp.float32)
 
-  def _kept_patches(self, batch: int, num_patches: int) -> jax.Array:
-    """Patch dropout's choice: (B, K) indices into the grid's N patches,
-    K = round((1 - rate) N), each image its own random subset, ascending
-    (grid order)."""
-    num_kept = num_kept_patches(num_patches, self.patch_dropout_rate)
-    scores = jax.random.uniform(self.make_rng("dropout"), (batch, num_patches))
-    return jnp.sort(jnp.argsort(scores, axis=1)[:, :num_kept], axis=1)
-
-  def _patches(self, images: jax.Array,
-               patch_indices: Optional[jax.Array]) -> jax.Array:
-    """(B, H, W, C) -> (B, N, P, P, C) in grid order, or (B, K, P, P, C):
-    the patches patch_indices (B, K)."""
-    batch, height, width, channels = images.shape
-    patch = self.patch_size
-    x = images.reshape(batch, height // patch, patch, width // patch, patch,
-                       channels).transpose(0, 1, 3, 2, 4, 5)
-    x = x.reshape(batch, -1, patch, patch, channels)
-    if patch_indices is not None:
-      x = jnp.take_along_axis(x, patch_indices[:, :, None, None, None], axis=1)
-    return x
-
   def _embed_patches(self, images: jax.Array,
                      patch_indices: Optional[jax.Array]) -> jax.Array:
     """The paper's patch embedding, a Conv with kernel = stride = P:
@@ -771,39 +621,12 @@ class VisionTransformer(nn.Module):
     if patch_indices is None:
       x = embed(images)  # (B, H/P, W/P, D)
       return x.reshape(x.shape[0], -1, x.shape[-1])
-    patches = self._patches(images, patch_indices)  # (B, K, P, P, C)
+    patches = options.patches(images, self.patch_size,
+                              patch_indices)  # (B, K, P, P, C)
     batch, num_kept, patch, _, channels = patches.shape
     strip = patches.transpose(0, 2, 1, 3, 4).reshape(
         batch, patch, num_kept * patch, channels)  # (B, P, K * P, C)
     return embed(strip).reshape(batch, num_kept, self.hidden_size)
-
-  def _embed_shifted_patches(self, images: jax.Array,
-                             patch_indices: Optional[jax.Array]) -> jax.Array:
-    """Shifted Patch Tokenization: (B, H, W, C) -> (B, N, D), or (B, K, D)
-    for the patches patch_indices (B, K).
-
-    Stacks the images and 4 diagonal shifts by half a patch (zero fill),
-    layer-normalises each patch of the stack (its P * P * 5C values) and maps
-    it linearly to D, with a kernel laid out like the Conv's (P, P, 5C, D).
-    """
-    _, height, width, _ = images.shape
-    shift = self.patch_size // 2
-    padded = jnp.pad(images, ((0, 0), (shift, shift), (shift, shift), (0, 0)))
-    # The window at (dy, dx) of the padded image is the image moved by
-    # (shift - dy, shift - dx): down-right, down-left, up-right, up-left.
-    shifted = [padded[:, dy:dy + height, dx:dx + width]
-               for dy in (0, 2 * shift) for dx in (0, 2 * shift)]
-    x = self._patches(jnp.concatenate([images] + shifted, axis=-1),
-                      patch_indices)  # (B, N or K, P, P, 5C)
-    patch_axes = (2, 3, 4)
-    x = nn.LayerNorm(reduction_axes=patch_axes, feature_axes=patch_axes,
-                     epsilon=self.layer_norm_epsilon, dtype=self.dtype,
-                     param_dtype=self.param_dtype, name="embedding_norm")(x)
-    # A matmul over the patch axes rather than a strided Conv: 5% faster
-    # per train step on XLA:CPU for the ViT-Mini/7 Fashion-MNIST config.
-    return nn.DenseGeneral(self.hidden_size, axis=patch_axes,
-                           dtype=self.dtype, param_dtype=self.param_dtype,
-                           name="embedding")(x)
 
   def _check_input(self, images: jax.Array) -> None:
     """Raises ViTInputError, before any computation, for unusable inputs."""

@@ -27,7 +27,7 @@ from jax.experimental import multihost_utils
 from vit_jax import config as config_lib
 from vit_jax.checkpoints import orbax_checkpoints, pretrained
 from vit_jax.data import augment, datasets, input_pipeline
-from vit_jax.model import variants, vit
+from vit_jax.model import options, variants, vit
 from vit_jax.runtime import host, preemption, sharding
 from vit_jax.training import (budget, budget_tracker, metric_writer, optim,
                               progress, steps)
@@ -166,7 +166,7 @@ def _log_model(config, spec: config_lib.RunSpec, mesh, state,
   rate = dims.patch_dropout_rate
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
   patch_dropout = (
-      f", trained on {vit.num_kept_patches(spec.num_patches, rate)} of its "
+      f", trained on {options.num_kept_patches(spec.num_patches, rate)} of its "
       f"{spec.num_patches} patches (patch dropout {rate:g})" if rate else "")
   bound = "at most " if config.time_budget_minutes and not plan else ""
   total_steps = plan["total_steps"] if plan else spec.upper_bound

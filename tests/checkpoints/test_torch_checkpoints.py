@@ -5,14 +5,12 @@ state dict converted, and both models run on the same random images.
 """
 
 import fractions
-import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 
+from helpers import run_python
 from vit_jax.checkpoints import npz, pretrained, state_dict_files, torch_state_dicts
 from vit_jax.model import variants
 from vit_jax.model.vit import VisionTransformer
@@ -283,9 +281,7 @@ def test_torchvision_vit_b_16_full_size_parity():
 
 
 def _convert(*flags):
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  return subprocess.run([sys.executable, "-m", "vit_jax.checkpoints.convert", *flags],
-                        cwd=root, capture_output=True, text=True, timeout=300)
+  return run_python("-m", "vit_jax.checkpoints.convert", *flags, timeout=300)
 
 
 def test_convert_command_pytorch_to_npz_and_back(tmp_path):

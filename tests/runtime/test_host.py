@@ -13,7 +13,7 @@ from helpers import small_config
 from vit_jax.runtime import host
 from vit_jax.training import loop
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT  # pylint: disable=wrong-import-order
 
 # Prints what the process sees before and after host.reexec_with_fast_malloc.
 _PROBE = """

@@ -14,7 +14,7 @@ from vit_jax.checkpoints import pretrained
 from vit_jax.runtime import multihost
 from vit_jax.training import metric_writer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT  # pylint: disable=wrong-import-order
 FLAGS = ["--config=configs/vit_tiny_fashion_mnist.py",
          "--config.dataset=synthetic", "--config.synthetic.image_size=16",
          "--config.synthetic.channels=3", "--config.batch_size=32",

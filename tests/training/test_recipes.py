@@ -14,7 +14,7 @@ from helpers import small_config, small_vit
 from vit_jax import config as config_lib
 from vit_jax.checkpoints import orbax_checkpoints
 from vit_jax.data import datasets, input_pipeline
-from vit_jax.model import variants, vit
+from vit_jax.model import options, variants, vit
 from vit_jax.runtime import sharding
 from vit_jax.training import loop, optim, steps
 
@@ -24,7 +24,7 @@ class _DropPath(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    return vit.drop_path(self, x, self.rate, deterministic=False)
+    return options.drop_path(self, x, self.rate, deterministic=False)
 
 
 def test_drop_path_drops_whole_examples_at_the_rate_and_keeps_the_mean():
@@ -39,7 +39,7 @@ def test_drop_path_drops_whole_examples_at_the_rate_and_keeps_the_mean():
   # Given uniform draws, exactly the examples whose draw is below 1 - rate
   # are kept (the encoder draws them for every block at once).
   uniform = jax.random.uniform(jax.random.PRNGKey(1), (4000,))
-  out = np.asarray(vit.drop_path(None, x, 0.3, False, uniform))
+  out = np.asarray(options.drop_path(None, x, 0.3, False, uniform))
   kept = np.all(out.reshape(4000, -1) != 0, axis=1)
   np.testing.assert_array_equal(kept, np.asarray(uniform) < 0.7)
 
@@ -65,7 +65,7 @@ def test_drop_path_is_linear_over_depth_and_off_at_eval():
 
 
 def test_sincos_2d_posemb_formula_and_model_without_posemb_params():
-  table = np.asarray(vit.sincos_2d_posemb(3, 4, 16))[0]
+  table = np.asarray(options.sincos_2d_posemb(3, 4, 16))[0]
   assert table.shape == (12, 16)
   frequencies = 1.0 / 10_000 ** (np.arange(4) / 4)
   row, col = divmod(7, 4)  # token 7 = row 1, column 3
@@ -80,7 +80,7 @@ def test_sincos_2d_posemb_formula_and_model_without_posemb_params():
     assert "posembed_input" not in variables["params"]["Transformer"]
     assert model.apply(variables, jnp.zeros((2, 16, 16, 3))).shape == (2, 10)
   with pytest.raises(vit.ViTInputError, match="divisible by 4"):
-    vit.sincos_2d_posemb(2, 2, 6)
+    options.sincos_2d_posemb(2, 2, 6)
 
 
 def test_lamb_first_step_is_the_trust_ratio_times_the_adam_direction():

@@ -63,7 +63,7 @@ def test_xla_dot_product_attention_gives_the_einsums_values(classifier):
 
 def test_auto_on_cpu_traces_the_einsums_where_the_kernel_cannot_run():
   """head_dim 12 is not a multiple of the CPU kernel's 16 lanes (the kernel
-  itself: tests/test_cpu_attention.py)."""
+  itself: tests/kernels/test_cpu_attention.py)."""
   params, images = _params_and_images()
   jaxpr = lambda implementation: str(jax.make_jaxpr(
       vit.VisionTransformer(

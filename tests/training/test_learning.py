@@ -3,14 +3,11 @@
   python -m pytest -m slow
 """
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
+from helpers import run_python
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
@@ -20,16 +17,13 @@ def test_fashion_mnist_15min_config_learns_in_1000_steps(tmp_path,
   core, not the test suite's 8 simulated devices), cut to 1000 steps with
   its schedule: 2.1 epochs, about a minute of patch-dropped steps (600
   gave 77.7%). Without the time budget, whose plan would time an evaluation
-  and recompile the step (tests/test_budget.py covers it)."""
-  env = dict(os.environ, XLA_FLAGS="")
-  result = subprocess.run(
-      [sys.executable, "main.py",
-       "--config=configs/vit_fashion_mnist_15min.py",
-       f"--config.raw_data_dir={fashion_mnist_dir}",
-       "--config.num_train_steps=1000", "--config.checkpoint_every_steps=1000",
-       "--config.time_budget_minutes=0",
-       f"--workdir={tmp_path / 'run'}"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  and recompile the step (tests/training/test_budget.py covers it)."""
+  result = run_python(
+      "main.py", "--config=configs/vit_fashion_mnist_15min.py",
+      f"--config.raw_data_dir={fashion_mnist_dir}",
+      "--config.num_train_steps=1000", "--config.checkpoint_every_steps=1000",
+      "--config.time_budget_minutes=0", f"--workdir={tmp_path / 'run'}",
+      env={"XLA_FLAGS": ""}, timeout=900)
   assert result.returncode == 0, result.stderr[-3000:]
   final = re.search(r"Final test accuracy ([0-9.]+), loss [0-9.]+ over "
                     r"(\d+) images", result.stdout)
