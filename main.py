@@ -10,8 +10,7 @@ Running the same command again resumes from the latest checkpoint in workdir.
 Several processes (hosts) run the same command, each with
 --coordinator_address=HOST:PORT --num_processes=N --process_id=I, or with
 --multihost under SLURM, Open MPI or on a TPU pod slice; --config.mesh.data
-and --config.mesh.fsdp lay out the devices (README: "Many devices, many
-hosts").
+and --config.mesh.fsdp lay out the devices (docs/scaling.md).
 
 The other modes use the same config and workdir (figures go to
 WORKDIR/figures unless --output_dir is given):
@@ -51,7 +50,8 @@ from vit_jax.training import loop
 # as they are, without a traceback.
 _USER_ERRORS = (ValueError, FileNotFoundError, ImportError,
                 datasets.DatasetUnavailableError,
-                orbax_checkpoints.CheckpointRestoreError, orbax_checkpoints.WorkdirError,
+                orbax_checkpoints.CheckpointRestoreError,
+                orbax_checkpoints.WorkdirError,
                 FloatingPointError, vit.ViTInputError)
 _MODES = ("train", "summary", "curves", "report", "attention", "predict")
 

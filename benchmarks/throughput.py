@@ -19,8 +19,8 @@ PyTorch variant of each workload again, in the other order, and those two are
 compared by the mean of their two rounds (the machine's noise is +-10%).
 
 All workers run with the same environment: main.py's malloc settings
-(vit_jax/runtime/host.py: GLIBC_TUNABLES=glibc.malloc.hugetlb=1, transparent huge
-pages for large blocks, and LD_PRELOAD of tcmalloc if it is installed, e.g.
+(vit_jax/runtime/host.py: GLIBC_TUNABLES=glibc.malloc.hugetlb=1,
+transparent huge pages for large blocks, and LD_PRELOAD of tcmalloc if it is installed, e.g.
 `apt-get install libtcmalloc-minimal4`), unless --no-fast_malloc or the
 caller set those variables. They speed PyTorch up too, so the comparison is
 against the faster PyTorch.
@@ -65,7 +65,7 @@ NUM_CLASSES = 10
 # runs the weight gradient ~20% below the other two. Here it is a jitted
 # product on its own, so XLA turns (768, 192) round to the slow orientation
 # whichever way `matmuls.kernel_gradient` writes it; in the data-parallel
-# train step it keeps the fast one (README, "The kernels' gradients the
+# train step it keeps the fast one (docs/performance.md, "The kernels' gradients the
 # narrow way round").
 DENSE_PRODUCTS = ("x.W", "dy.W^T", "x^T.dy")
 DENSE_SHAPES = ((192, 576), (192, 192), (192, 768), (768, 192))  # (in, out)

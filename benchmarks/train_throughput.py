@@ -11,7 +11,8 @@ one process, interleaving the two so machine noise hits both alike:
               uint8 images, transfer, on-device augmentation), as in training.
 Prints the compile time, images/s (median over steps) of both, and their
 ratio: a ratio near 1.00 means the input pipeline is not the bottleneck.
-Like main.py it restarts itself once with a faster malloc (vit_jax/runtime/host.py).
+Like main.py it restarts itself once with a faster malloc
+(vit_jax/runtime/host.py).
 """
 
 import statistics

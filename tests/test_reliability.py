@@ -236,7 +236,8 @@ def test_failed_checkpoint_write_keeps_the_last_good_one(tmp_path,
       raise OSError(28, "No space left on device")
     return real_save(self, step, *args, **kwargs)
 
-  monkeypatch.setattr(orbax_checkpoints.ocp.CheckpointManager, "save", full_disk)
+  monkeypatch.setattr(orbax_checkpoints.ocp.CheckpointManager, "save",
+                      full_disk)
   with pytest.raises(orbax_checkpoints.WorkdirError,
                      match="step 4 .*No space left.*last complete "
                      "checkpoint is step 2"):

@@ -74,7 +74,8 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   config.normalization = "dataset"
 
   # Start from a pretrained checkpoint (.npz, Orbax folder or PyTorch state
-  # dict); see vit_jax/checkpoints/pretrained.py. Ignored when resuming from workdir.
+  # dict); see vit_jax/checkpoints/pretrained.py. Ignored when resuming
+  # from workdir.
   config.init_from = config_dict.placeholder(str)
   config.posemb_resize = "bilinear"  # or "bicubic": for a new image size
   config.trainable = "all"  # "head" freezes the rest: a linear probe
@@ -91,7 +92,7 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   config.fsdp_min_size = 1024
   # On a CPU: split it into this many devices (-1: one per core), each
   # running its part of the batch, so that independent chains of kernels
-  # keep the cores busy. Pays for small models (README: "Speed on a CPU");
+  # keep the cores busy. Pays for small models (docs/performance.md);
   # 0 keeps one multi-threaded device. Applied by main.py before JAX starts;
   # an XLA_FLAGS device count of the user's wins.
   config.cpu_devices = 0

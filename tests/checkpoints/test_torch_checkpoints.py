@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from helpers import run_python
-from vit_jax.checkpoints import npz, pretrained, state_dict_files, torch_state_dicts
+from vit_jax.checkpoints import (npz, pretrained, state_dict_files,
+                                 torch_state_dicts)
 from vit_jax.model import variants
 from vit_jax.model.vit import VisionTransformer
 from vit_jax.checkpoints.npz import CheckpointFormatError

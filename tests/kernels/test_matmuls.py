@@ -1,4 +1,5 @@
-"""vit_jax.kernels.matmuls: the Dense layers' matmuls and their backward passes."""
+"""vit_jax.kernels.matmuls: the Dense layers' matmuls and their backward
+passes."""
 
 import re
 

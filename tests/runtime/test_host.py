@@ -1,4 +1,5 @@
-"""Process settings for speed (vit_jax/runtime/host.py) and compile-once training."""
+"""Process settings for speed (vit_jax/runtime/host.py) and compile-once
+training."""
 
 import json
 import logging

@@ -8,7 +8,8 @@ import optax
 import pytest
 
 from helpers import small_config
-from vit_jax.checkpoints import npz, pretrained, state_dict_files, torch_state_dicts
+from vit_jax.checkpoints import (npz, pretrained, state_dict_files,
+                                 torch_state_dicts)
 from vit_jax.data import datasets, input_pipeline
 from vit_jax.model import variants
 from vit_jax.runtime import sharding

@@ -21,7 +21,8 @@ from absl import app, flags, logging
 import jax
 import numpy as np
 
-from vit_jax.checkpoints import npz, pretrained, state_dict_files, torch_state_dicts
+from vit_jax.checkpoints import (npz, pretrained, state_dict_files,
+                                 torch_state_dicts)
 from vit_jax.model import variants
 
 _INPUT = flags.DEFINE_string("input", None, "Checkpoint to convert.")

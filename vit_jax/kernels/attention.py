@@ -10,10 +10,11 @@ choice changes neither the parameters nor (beyond float rounding) the values.
             multiple of 8 up to 128, even token counts: JAX 0.11's cuDNN
             path cannot differentiate 197 tokens, so a class-token ViT at
             224 px keeps the einsums; docs/gpu.md): no (B, heads, T, T)
-            probabilities in memory. On a CPU in float32 with head_dim a multiple of 16, the
-            C++ kernel where it builds. Elsewhere the einsums: on XLA:CPU
-            `jax.nn.dot_product_attention` was no faster (README, *Attention
-            kernel*), and in JAX 0.10 its own default is XLA's path.
+            probabilities in memory. On a CPU in float32 with head_dim a
+            multiple of 16, the C++ kernel where it builds. Elsewhere the
+            einsums: on XLA:CPU `jax.nn.dot_product_attention` was no
+            faster (docs/performance.md, *Attention kernel*), and in JAX
+            0.10 its own default is XLA's path.
   "einsum"  always the einsums.
   "cpu_kernel" the C++ kernel; an error where it cannot run.
   "xla"     `jax.nn.dot_product_attention(implementation="xla")`.

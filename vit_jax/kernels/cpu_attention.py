@@ -4,7 +4,7 @@ Why: on XLA:CPU the core's batched products (head_dim 64, T = 197) ran at
 less than half the rate of the model's dense layers, and the core took 21%
 of a ViT-Ti/16 @224 train step for 15% of its FLOPs
 (docs/throughput_runs.md, runs 17-19); with this kernel the step is ~10%
-faster (README, *The attention core as a C++ kernel*).
+faster (docs/performance.md, *The attention core as a C++ kernel*).
 `csrc/attention_cpu.cc` computes the forward pass and the gradient one
 (batch, head) pair at a time, with its operands in L2, register-blocked
 products and a vectorised softmax, and keeps the probabilities for the

@@ -4,6 +4,8 @@
 ml_collections.ConfigDict that `build_model` turns into a VisionTransformer.
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 import ml_collections
 
@@ -58,6 +60,27 @@ def _table() -> dict[str, dict]:
 VARIANTS = _table()
 
 
+def option_defaults() -> dict:
+  """Every option of `VisionTransformer` beyond the variant's dims, with
+  its default, read off the module's fields: the one place the defaults
+  are written. The compute dtype as its name ("float32"); an optional int
+  (representation_size) as an ml_collections placeholder, so that a
+  config can set it."""
+  dims = {"num_classes", "parent", "name", "param_dtype",
+          *next(iter(VARIANTS.values()))}
+  defaults = {}
+  for field in dataclasses.fields(vit.VisionTransformer):
+    if field.name in dims or field.default is dataclasses.MISSING:
+      continue
+    value = field.default
+    if field.name == "dtype":
+      value = jnp.dtype(value).name
+    elif value is None:
+      value = ml_collections.config_dict.placeholder(int)
+    defaults[field.name] = value
+  return defaults
+
+
 def get_variant(name: str) -> ml_collections.ConfigDict:
   """Model hyper-parameters of a named variant, e.g. "ViT-B/16".
 
@@ -69,24 +92,7 @@ def get_variant(name: str) -> ml_collections.ConfigDict:
     raise ValueError(f"Unknown ViT variant {name!r}. Known variants: "
                      f"{', '.join(VARIANTS)}.")
   config = ml_collections.ConfigDict(dict(
-      name=name,
-      dropout_rate=0.0,
-      attention_dropout_rate=0.0,
-      classifier="token",
-      posemb="learn",
-      drop_path_rate=0.0,
-      patch_dropout_rate=0.0,
-      shifted_patches=False,
-      locality_attention=False,
-      attention_implementation="auto",
-      representation_size=ml_collections.config_dict.placeholder(int),
-      approximate_gelu=True,
-      layer_norm_epsilon=1e-6,
-      scan_blocks=False,
-      remat_blocks=False,
-      dtype="float32",
-      **VARIANTS[name],
-  ))
+      name=name, **option_defaults(), **VARIANTS[name]))
   config.lock()
   return config
 

@@ -112,8 +112,8 @@ class MultiHeadSelfAttention(nn.Module):
   (B, heads, T, T) are sown into the `intermediates` collection as
   `attention_weights` when that collection is mutable, and cost nothing
   otherwise. `implementation` picks the kernel of the attention core (see
-  `vit_jax.kernels.attention`: "auto" is cuDNN's flash attention on a recent CUDA
-  GPU in bfloat16/float16, the einsums below elsewhere).
+  `vit_jax.kernels.attention`: "auto" is cuDNN's flash attention on a
+  recent CUDA GPU in bfloat16/float16, the einsums below elsewhere).
 
   With `locality=True` it is the Locality Self-Attention of Lee et al. 2021
   ("Vision Transformer for Small-Size Datasets"): the logits are divided by
@@ -159,9 +159,9 @@ class MultiHeadSelfAttention(nn.Module):
       Heads first for the einsums: XLA:CPU then runs both products as
       plain batched matmuls. From the token-major layout it computed the
       weighted sum as V^T P^T, at half the rate of Q K^T (ViT-Ti/16 @224
-      inference 5.6% slower; README, *Heads first*). One transpose for
-      all names, not a split and one per name: 1.8-3.7% faster
-      vit_tiny_cifar training steps."""
+      inference 5.6% slower; docs/performance.md, *Heads first*). One
+      transpose for all names, not a split and one per name: 1.8-3.7%
+      faster vit_tiny_cifar training steps."""
       kernel = jnp.concatenate([projections[n][0] for n in names], axis=1)
       bias = jnp.concatenate([projections[n][1] for n in names])
       inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias,

@@ -1,7 +1,7 @@
 """Process settings that make training on a CPU host faster.
 
 Each applies only where the user has not made the choice already, and each is
-documented in the README ("Speed on a CPU"):
+documented in docs/performance.md ("Speed on a CPU"):
 
 * A malloc that keeps freed memory (`reexec_with_fast_malloc`). XLA:CPU
   allocates a step's scratch memory (gigabytes for a ViT) afresh each step,
@@ -14,8 +14,9 @@ documented in the README ("Speed on a CPU"):
   (Debian: libtcmalloc-minimal4), keeps the memory and reuses it: no faults
   at all. Both are read only at process start, so the process restarts
   once with them.
-* XLA:CPU flags (`default_xla_flags`), added to XLA_FLAGS on import of
-  vit_jax unless XLA_FLAGS already names them: jaxlib 0.10 fuses softmax
+* XLA:CPU flags (`default_xla_flags`), added to XLA_FLAGS by an explicit
+  call (main.py and the benchmarks make it; importing vit_jax does not)
+  unless XLA_FLAGS already names them: jaxlib 0.10 fuses softmax
   and the attention-weighted sum into one YNNPACK call that runs at
   ~9 GFLOP/s; without YNNPACK fusions ViT-Ti/16 inference at 224 px runs
   1.6x faster (training unchanged). CPU-only flags: GPU/TPU ignore them.
@@ -174,8 +175,8 @@ def split_cpu_into_devices(count: int, batch_sizes: Sequence[int] = ()
     if jax.default_backend() == "cpu":
       logging.warning(
           "config.cpu_devices asks for %d CPU devices, but JAX had already "
-          "started; call vit_jax.runtime.host.split_cpu_into_devices before any JAX "
-          "computation (main.py does).", count)
+          "started; call vit_jax.runtime.host.split_cpu_into_devices "
+          "before any JAX computation (main.py does).", count)
     return 0
   added = [flag for flag in wanted if flag.split("=")[0] not in current]
   os.environ["XLA_FLAGS"] = " ".join([current] + added).strip()

@@ -186,8 +186,8 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9,
   correction, decay, learning rate), traced once for each shape and decay
   flag: tracing + lowering that step took 1.41-1.74 s with optax.adamw and
   0.97-1.08 s with this. The arithmetic is optax's, in its order
-  (tests/training/test_train.py compares bit for bit); the state is optax.adamw's,
-  so checkpoints restore with either.
+  (tests/training/test_train.py compares bit for bit); the state is
+  optax.adamw's, so checkpoints restore with either.
 
   learning_rate: a float or a schedule of the step count; weight_decay: a
   float; mask: a pytree of bools or a function of the params giving one
