@@ -68,8 +68,9 @@ def compile_step(name: str, scan_blocks: bool, remat_blocks: bool,
   state = jax.eval_shape(lambda: steps.create_train_state(
       model, shape, optimizer, 0, mesh))
   train_fn = steps.compile_train_step(
-      config, mesh, steps.shardings_of(state), np.zeros(3, np.float32),
-      np.ones(3, np.float32), True, schedule)
+      mesh, steps.shardings_of(state), schedule,
+      **config_lib.train_step_options(config, np.zeros(3, np.float32),
+                                      np.ones(3, np.float32), True))
   images = jax.ShapeDtypeStruct((batch,) + shape, jnp.uint8)
   labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
   start = time.perf_counter()

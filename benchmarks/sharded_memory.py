@@ -82,8 +82,9 @@ def analyse(name: str, mesh_config: dict, batches_per_device: list[int],
       init_temp_mib=init_memory.temp_size_in_bytes / MIB,
       init_compile_s=init_seconds)
   train_fn = steps.compile_train_step(
-      config, mesh, state_shardings, np.zeros(3, np.float32),
-      np.ones(3, np.float32), True, schedule)
+      mesh, state_shardings, schedule,
+      **config_lib.train_step_options(config, np.zeros(3, np.float32),
+                                      np.ones(3, np.float32), True))
   batch_sharding = sharding.batch_sharded(mesh)
   row["step_temp_mib"], row["step_compile_s"] = [], []
   for batch_per_device in batches_per_device if train_step else []:

@@ -57,9 +57,10 @@ def main(_):
                                    optim.make_optimizer(config, schedule),
                                    0, mesh, ema=config.ema_decay > 0)
   step_for = lambda state: steps.compile_train_step(
-      config, mesh, steps.shardings_of(state),
-      np.full(channels, 127.0, np.float32),
-      np.full(channels, 64.0, np.float32), True, schedule)
+      mesh, steps.shardings_of(state), schedule,
+      **config_lib.train_step_options(
+          config, np.full(channels, 127.0, np.float32),
+          np.full(channels, 64.0, np.float32), True))
   train_fn = step_for(state)
   batches = input_pipeline.train_batches(images, labels, _BATCH.value, 0, 0,
                                          mesh)

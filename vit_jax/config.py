@@ -8,10 +8,12 @@ silently ignored.
 """
 
 import dataclasses
+import functools
 import os
 
 import jax
 import ml_collections
+import numpy as np
 from ml_collections import config_dict
 
 from vit_jax.checkpoints import pretrained
@@ -341,3 +343,40 @@ def run_spec(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
                  eval_every_steps=steps_per_epoch * config.eval_every_epochs,
                  image_shape=(height, width, channels),
                  num_patches=(height // patch) * (width // patch))
+
+
+def train_step_options(config: ml_collections.ConfigDict, mean: np.ndarray,
+                       std: np.ndarray, flip: bool,
+                       ema_start_step: int = 0) -> dict:
+  """`steps.train_step`'s keyword arguments (but the learning rate) for
+  `config`: the on-device augmentation and normalisation (`preprocess`;
+  mean, std: the pixel statistics; flip: random mirroring) and the step's
+  options. ema_start_step: where the EMA's ramp starts (the unmasked
+  tuning restarts it)."""
+  return dict(
+      preprocess=functools.partial(
+          augment.train_preprocess, mean=mean, std=std,
+          crop_padding=config.crop_padding, flip=flip,
+          image_size=config.image_size,
+          resized_crop=config.random_resized_crop,
+          min_crop_area=config.min_crop_area,
+          auto_augment=config.auto_augment,
+          randaugment_num_ops=config.randaugment_num_ops,
+          randaugment_magnitude=config.randaugment_magnitude,
+          erase_probability=config.random_erasing),
+      label_smoothing=config.label_smoothing,
+      accum_steps=config.accum_steps,
+      skip_nonfinite=config.skip_nonfinite_steps,
+      mixup_alpha=config.mixup_alpha, cutmix_alpha=config.cutmix_alpha,
+      ema_decay=config.ema_decay, ema_start_step=ema_start_step,
+      sam_rho=config.sam_rho, sharded_params=optim.shards_params(config))
+
+
+def eval_step_options(config: ml_collections.ConfigDict, apply_fn,
+                      mean: np.ndarray, std: np.ndarray) -> dict:
+  """`steps.eval_step`'s keyword arguments for `config` and the model's
+  `apply_fn`."""
+  return dict(apply_fn=apply_fn, preprocess=functools.partial(
+      augment.eval_preprocess, mean=mean, std=std,
+      image_size=config.image_size),
+              flip_average=config.eval_flip_average)

@@ -112,7 +112,8 @@ def _train(config, mesh, num_steps, state=None):
   mean, std = dataset.channel_stats()
   flip = config.random_flip is not False
   train_fn = steps.compile_train_step(
-      config, mesh, steps.shardings_of(state), mean, std, flip, schedule)
+      mesh, steps.shardings_of(state), schedule,
+      **config_lib.train_step_options(config, mean, std, flip))
   stream = input_pipeline.train_batches(
       dataset.train_images, dataset.train_labels, config.batch_size,
       config.seed, start, mesh)

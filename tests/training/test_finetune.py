@@ -8,6 +8,7 @@ import optax
 import pytest
 
 from helpers import small_config
+from vit_jax import config as config_lib
 from vit_jax.checkpoints import (npz, pretrained, state_dict_files,
                                  torch_state_dicts)
 from vit_jax.data import datasets, input_pipeline
@@ -35,7 +36,8 @@ def _run_steps(config, mesh, num_steps):
   initial = jax.device_get(state.params)
   mean, std = dataset.channel_stats()
   train_fn = steps.compile_train_step(
-      config, mesh, steps.shardings_of(state), mean, std, False, schedule)
+      mesh, steps.shardings_of(state), schedule,
+      **config_lib.train_step_options(config, mean, std, False))
   batches = input_pipeline.train_batches(
       dataset.train_images, dataset.train_labels, config.batch_size, 0, 0,
       mesh)

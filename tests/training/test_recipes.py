@@ -135,7 +135,8 @@ def test_ema_follows_the_formula_and_is_evaluated(tmp_path):
                                    mesh, fsdp_min_size=256, ema=True)
   mean, std = dataset.channel_stats()
   train_fn = steps.compile_train_step(
-      config, mesh, steps.shardings_of(state), mean, std, True, schedule)
+      mesh, steps.shardings_of(state), schedule,
+      **config_lib.train_step_options(config, mean, std, True))
   stream = input_pipeline.train_batches(dataset.train_images,
                                         dataset.train_labels, 16, 0, 0, mesh)
   expected = jax.device_get(state.params)

@@ -30,9 +30,11 @@ def _build(config, mesh, total_steps=20, steps_per_epoch=4):
                                    config.seed, mesh)
   mean, std = dataset.channel_stats()
   train_fn = steps.compile_train_step(
-      config, mesh, steps.shardings_of(state), mean, std, True, schedule)
+      mesh, steps.shardings_of(state), schedule,
+      **config_lib.train_step_options(config, mean, std, True))
   eval_fn = steps.compile_eval_step(
-      config, mesh, model.apply, steps.shardings_of(state.params), mean, std)
+      mesh, steps.shardings_of(state.params),
+      **config_lib.eval_step_options(config, model.apply, mean, std))
   return dataset, state, train_fn, eval_fn
 
 

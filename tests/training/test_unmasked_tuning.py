@@ -185,8 +185,9 @@ def test_trainer_tunes_its_last_epoch_on_every_patch_and_resumes_in_it(
     state = _restore(workdir, 8, template).replace(
         apply_fn=model.clone(patch_dropout_rate=patch_dropout_rate).apply)
     train_fn = steps.compile_train_step(
-        config, mesh, steps.shardings_of(state), mean, std, flip, schedule,
-        ema_start_step)
+        mesh, steps.shardings_of(state), schedule,
+        **config_lib.train_step_options(config, mean, std, flip,
+                                        ema_start_step))
     batches = input_pipeline.train_batches(
         dataset.train_images, dataset.train_labels, config.batch_size,
         config.seed, 8, mesh)

@@ -56,8 +56,9 @@ class Run:
                          ema_start_step: int = 0):
     """The train step of `state` as it is: its layout, model, optimizer."""
     return steps.compile_train_step(
-        self.config, self.mesh, steps.shardings_of(state), self.mean,
-        self.std, self.flip, learning_rate_fn, ema_start_step)
+        self.mesh, steps.shardings_of(state), learning_rate_fn,
+        **config_lib.train_step_options(self.config, self.mean, self.std,
+                                        self.flip, ema_start_step))
 
   @property
   def unmasked_model(self) -> vit.VisionTransformer:
@@ -140,9 +141,9 @@ def build_run(config: ml_collections.ConfigDict, workdir: str):
   elif config.init_from is not None:
     state = init_from_pretrained(config, state, spec.image_shape[:2])
   start_step = restored_step or 0
-  eval_fn = steps.compile_eval_step(config, mesh, model.apply,
-                                    steps.shardings_of(state.params), mean,
-                                    std)
+  eval_fn = steps.compile_eval_step(
+      mesh, steps.shardings_of(state.params),
+      **config_lib.eval_step_options(config, model.apply, mean, std))
   flip = dataset.flip if config.random_flip is None else config.random_flip
   run = Run(config, workdir, mesh, dataset, spec, mean, std, flip, model,
             manager, metric_writer.MetricWriter(workdir, start_step), eval_fn)

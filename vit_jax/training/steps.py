@@ -2,12 +2,14 @@
 
 `create_train_state` builds the state in place on a mesh; `train_step` and
 `eval_step` are pure functions of arrays and pytrees, and
-`compile_train_step` / `compile_eval_step` jit them once for a config with
-declared shardings (the state placed by the rules of
-`sharding.state_shardings`: replicated, or split over the "fsdp" mesh axis;
-batches split over every device). `evaluate` runs a compiled eval step over
-a test set. The loop around them, with its I/O, logging and checkpoints, is
-`train.train_and_evaluate`.
+`compile_train_step` / `compile_eval_step` jit them once with declared
+shardings (the state placed by the rules of `sharding.state_shardings`:
+replicated, or split over the "fsdp" mesh axis; batches split over every
+device). `evaluate` runs a compiled eval step over a test set. Nothing here
+reads a config: `vit_jax.config.train_step_options` and
+`eval_step_options` turn one into the steps' keyword arguments. The loop
+around them, with its I/O, logging and checkpoints, is
+`loop.train_and_evaluate`.
 """
 
 import functools
@@ -16,8 +18,6 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
-import numpy as np
 import optax
 from flax.training import train_state
 
@@ -200,57 +200,32 @@ def eval_step(params: Any, images: jax.Array, labels: jax.Array,
           "count": jnp.sum(mask)}
 
 
-def compile_train_step(config: ml_collections.ConfigDict,
-                       mesh: jax.sharding.Mesh, state_sharding,
-                       mean: np.ndarray, std: np.ndarray, flip: bool,
-                       learning_rate_fn: optax.Schedule,
-                       ema_start_step: int = 0):
-  """The jitted train step for `config`, with shardings declared.
-
-  `state_sharding` is the train state's layout (`shardings_of(state)`); the
-  new state keeps it, and metrics come back replicated.
-  """
+def compile_train_step(mesh: jax.sharding.Mesh, state_sharding,
+                       learning_rate_fn: optax.Schedule, **step_options):
+  """`train_step` jitted with shardings declared: state_sharding is the
+  train state's layout (`shardings_of(state)`), which the new state keeps;
+  batches are split over every device; metrics come back replicated; the
+  state is donated. step_options: `train_step`'s keyword arguments
+  (`config.train_step_options` makes them from a config)."""
   batch = sharding.batch_sharded(mesh)
   return jax.jit(
-      functools.partial(
-          train_step,
-          preprocess=functools.partial(
-              augment.train_preprocess, mean=mean, std=std,
-              crop_padding=config.crop_padding, flip=flip,
-              image_size=config.image_size,
-              resized_crop=config.random_resized_crop,
-              min_crop_area=config.min_crop_area,
-              auto_augment=config.auto_augment,
-              randaugment_num_ops=config.randaugment_num_ops,
-              randaugment_magnitude=config.randaugment_magnitude,
-              erase_probability=config.random_erasing),
-          label_smoothing=config.label_smoothing,
-          learning_rate_fn=learning_rate_fn,
-          accum_steps=config.accum_steps,
-          skip_nonfinite=config.skip_nonfinite_steps,
-          mixup_alpha=config.mixup_alpha, cutmix_alpha=config.cutmix_alpha,
-          ema_decay=config.ema_decay, ema_start_step=ema_start_step,
-          sam_rho=config.sam_rho,
-          sharded_params=optim.shards_params(config)),
+      functools.partial(train_step, learning_rate_fn=learning_rate_fn,
+                        **step_options),
       in_shardings=(state_sharding, batch, batch),
       out_shardings=(state_sharding, sharding.replicated(mesh)),
       donate_argnums=0)
 
 
-def compile_eval_step(config: ml_collections.ConfigDict,
-                      mesh: jax.sharding.Mesh, apply_fn: Callable[..., Any],
-                      params_sharding, mean: np.ndarray, std: np.ndarray):
-  """The jitted eval step for `config`: eval_fn(params, images, labels,
-  mask), params laid out as `params_sharding` (`shardings_of(params)`)."""
+def compile_eval_step(mesh: jax.sharding.Mesh, params_sharding,
+                      **eval_options):
+  """`eval_step` jitted with shardings declared: eval_fn(params, images,
+  labels, mask), params laid out as `params_sharding`
+  (`shardings_of(params)`). eval_options: `eval_step`'s keyword arguments
+  (`config.eval_step_options` makes them from a config)."""
   batch = sharding.batch_sharded(mesh)
-  return jax.jit(
-      functools.partial(
-          eval_step, apply_fn=apply_fn, preprocess=functools.partial(
-              augment.eval_preprocess, mean=mean, std=std,
-              image_size=config.image_size),
-          flip_average=config.eval_flip_average),
-      in_shardings=(params_sharding, batch, batch, batch),
-      out_shardings=sharding.replicated(mesh))
+  return jax.jit(functools.partial(eval_step, **eval_options),
+                 in_shardings=(params_sharding, batch, batch, batch),
+                 out_shardings=sharding.replicated(mesh))
 
 
 def evaluate(eval_fn, params: Any, dataset: datasets.Dataset,
