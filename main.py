@@ -24,6 +24,7 @@ WORKDIR/figures unless --output_dir is given):
                     --attention, saves each with its attention map
 """
 
+import glob
 import os
 import sys
 
@@ -119,10 +120,31 @@ def _inspect(mode: str, config, workdir: str) -> None:
           f"{name} {prob:.4f}" for name, prob in result["top"]))
 
 
+def _check_config_loads() -> str:
+  """The config file's path; exits with one line naming the problem (a
+  missing file, with the shipped configs listed, or the file's own error)
+  if the config cannot be loaded."""
+  path = config_flags.get_config_filename(flags.FLAGS["config"])
+  if not os.path.isfile(path):
+    shipped = sorted(glob.glob(os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "configs", "*.py")))
+    raise SystemExit(
+        f"No config file {path!r}. The shipped configs: "
+        + ", ".join(f"configs/{os.path.basename(p)}" for p in shipped)
+        + "; or give the path of a config file of your own.")
+  try:
+    _CONFIG.value  # pylint: disable=pointless-statement
+  except Exception as e:  # pylint: disable=broad-except
+    cause = e.__cause__ or e
+    raise SystemExit(f"Could not load the config file {path}: "
+                     f"{type(cause).__name__}: {cause}") from e
+  return path
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  config_path = config_flags.get_config_filename(flags.FLAGS["config"])
+  config_path = _check_config_loads()
   workdir = _WORKDIR.value or os.path.join(
       "runs", os.path.splitext(os.path.basename(config_path))[0])
   # Orbax logs every save at INFO; keep the console to our progress lines.
@@ -152,6 +174,19 @@ def main(argv):
         flush=True)
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing (a bad flag value: one line and the usage hint),
+  and one line for a config file that fails while it loads (a syntax error,
+  an exception in get_config) instead of a traceback."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except Exception as e:  # pylint: disable=broad-except
+    path = next((arg.split("=", 1)[1] for arg in argv
+                 if arg.startswith("--config=")), "given with --config")
+    sys.exit(f"Could not load the config file {path}: "
+             f"{type(e).__name__}: {e}")
+
+
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -164,3 +164,34 @@ def test_main_inspection_modes_on_fashion_mnist(tmp_path, fashion_mnist_dir):
   missing = _run_main(*common, "--mode=predict", "--images=nope.png")
   assert missing.returncode != 0
   assert "No image file at nope.png" in missing.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--config=configs/nope.py"],
+     r"No config file 'configs/nope.py'\. The shipped configs: .*"
+     r"configs/vit_tiny_cifar\.py"),
+    (["--config={broken}"],
+     r"Could not load the config file .*broken\.py: SyntaxError"),
+    (["--config={raising}"],
+     r"Could not load the config file .*raising\.py: KeyError: 'x'"),
+    (["--config=configs/vit_tiny_fashion_mnist.py", "--mode=bogus"],
+     r"flag --mode=bogus: value should be one of"),
+    (["--config=configs/vit_tiny_fashion_mnist.py",
+      "--config.batch_size=abc"], r"flag --config\.batch_size=abc"),
+    (["--config=configs/vit_tiny_fashion_mnist.py", "--config.batch_sise=8"],
+     r"batch_sise"),
+])
+def test_cli_mistakes_end_in_one_clear_line(tmp_path, flags, message):
+  """A missing or broken config file, an unknown mode, a bad flag value or
+  config key: a non-zero exit and a message naming the problem, no
+  traceback."""
+  (tmp_path / "broken.py").write_text("def get_config(:\n")
+  (tmp_path / "raising.py").write_text(
+      "def get_config():\n  raise KeyError('x')\n")
+  flags = [f.format(broken=tmp_path / "broken.py",
+                    raising=tmp_path / "raising.py") for f in flags]
+  result = run_python("main.py", *flags, f"--workdir={tmp_path / 'run'}",
+                      timeout=120)
+  assert result.returncode != 0
+  assert "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert re.search(message, result.stderr), result.stderr[-2000:]
