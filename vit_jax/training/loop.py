@@ -102,7 +102,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
       preemption.StopSignals() as stop:
     run, state, start_step, plan = build_run(config, workdir)
     try:
-      return _train(run, state, start_step, plan, stop, clock)
+      with metric_writer.StatusLine() as status:  # a terminal's progress bar
+        return _train(run, state, start_step, plan, stop, clock, status)
     finally:
       # Let a save in flight finish even when training stops with an
       # error, so the last good checkpoint is complete on disk.
@@ -200,7 +201,8 @@ def init_from_pretrained(config: ml_collections.ConfigDict,
 
 def _train(run: Run, state: steps.TrainState, start_step: int,
            plan: Optional[dict], stop: preemption.StopSignals,
-           clock: progress.Clock) -> dict[str, float]:
+           clock: progress.Clock, status: metric_writer.StatusLine
+           ) -> dict[str, float]:
   """Trains from start_step to the plan's last step; the last evaluation's
   metrics."""
   config, spec = run.config, run.spec
@@ -213,6 +215,8 @@ def _train(run: Run, state: steps.TrainState, start_step: int,
       skip_nonfinite=config.skip_nonfinite_steps,
       checkpoint_dir=str(run.manager.directory), clock=clock,
       start_step=start_step)
+  bar = progress.ProgressBar(status, batch_size=config.batch_size,
+                             start_step=start_step, clock=clock)
   phase = Phase(run.compile_train_step(state, learning_rate_fn))
   batches = input_pipeline.train_batches(
       run.dataset.train_images, run.dataset.train_labels, config.batch_size,
@@ -244,6 +248,7 @@ def _train(run: Run, state: steps.TrainState, start_step: int,
       log(f"Compiled and ran the first train step in "
           f"{tracker.first_step_seconds:.1f} s.")
       meter.restart_timer(done)
+      bar.restart(done)
     if tracker.step_done(done, total_steps, metrics, clock.paused):
       elapsed = clock.elapsed()
       with clock.pause():
@@ -253,6 +258,7 @@ def _train(run: Run, state: steps.TrainState, start_step: int,
             run, state, plan)
     if done % config.log_every_steps == 0 or done == total_steps:
       meter.flush(done, run.writer)
+    bar.update(done, total_steps)
     evaluate_now = budget.evaluates_after(done, total_steps,
                                           spec.eval_every_steps)
     stop_signal = _agreed_stop(stop, done, config.log_every_steps)
@@ -262,6 +268,7 @@ def _train(run: Run, state: steps.TrainState, start_step: int,
       jax.block_until_ready(state)
       with clock.pause() as pause_began:  # not counted as training time
         if evaluate_now:
+          bar.announce(f"evaluating at step {done}")
           eval_metrics = run.evaluate(state)
           tracker.evaluated(time.perf_counter() - pause_began)
           eval_metrics["epoch"] = done / spec.steps_per_epoch
@@ -269,6 +276,7 @@ def _train(run: Run, state: steps.TrainState, start_step: int,
           best_accuracy = _keep_best(run, state, done, eval_metrics,
                                      best_accuracy)
         if save_now:
+          bar.announce(f"saving the checkpoint of step {done}")
           meter.check_finite(done)  # never save a state not yet checked
           orbax_checkpoints.save(run.manager, state)
         if (evaluate_now and tracker.due_for_check() and stop_signal is None

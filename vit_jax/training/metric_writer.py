@@ -9,8 +9,9 @@ plots. The same scalars go to `workdir/events.out.tfevents.*` as
 
 import json
 import os
+import sys
 import time
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence, TextIO
 
 import jax
 import numpy as np
@@ -21,10 +22,53 @@ import tensorboardX
 MODEL_INFO = "model_info.json"
 
 
+class StatusLine:
+  """The last line of a terminal, rewritten in place (a progress bar);
+  `log`'s lines print above it. Inert unless `stream` is a terminal and
+  this is process 0, so logs and pipes get plain lines only."""
+
+  def __init__(self, stream: TextIO = sys.stdout):
+    self._stream = stream
+    self.enabled = stream.isatty() and jax.process_index() == 0
+    self.text = ""
+
+  def show(self, text: str) -> None:
+    if self.enabled:
+      self.text = text
+      self._stream.write("\r\033[K" + text)
+      self._stream.flush()
+
+  def clear(self) -> None:
+    if self.enabled and self.text:
+      self._stream.write("\r\033[K")
+      self._stream.flush()
+
+  def __enter__(self) -> "StatusLine":
+    global _status_line
+    _status_line = self
+    return self
+
+  def __exit__(self, *exc) -> None:
+    global _status_line
+    self.clear()
+    self.text = ""
+    _status_line = None
+
+
+_status_line: Optional[StatusLine] = None  # the one being shown, if any
+
+
 def log(message: str) -> None:
-  """Prints a progress line from process 0 only."""
-  if jax.process_index() == 0:
-    print(message, flush=True)
+  """Prints a progress line from process 0 only (above the status line,
+  if one is shown)."""
+  if jax.process_index() != 0:
+    return
+  status = _status_line
+  if status is not None:
+    status.clear()
+  print(message, flush=True)
+  if status is not None and status.text:
+    status.show(status.text)
 
 
 class MetricWriter:

@@ -1,6 +1,7 @@
-"""The loop's bookkeeping: wall time and pauses (`Clock`), and the train
-steps' metrics between two log lines (`TrainMetrics`): held on device,
-checked for NaN/Inf, averaged and logged with the throughput."""
+"""The loop's bookkeeping: wall time and pauses (`Clock`), the train
+steps' metrics between two log lines (`TrainMetrics`: held on device,
+checked for NaN/Inf, averaged and logged with the throughput), and the
+progress bar on a terminal (`ProgressBar`)."""
 
 import contextlib
 import time
@@ -125,3 +126,54 @@ class TrainMetrics:
     metrics["epoch"] = step / self._steps_per_epoch
     writer.write(step, "train", metrics)
     self.restart_timer(step)
+
+
+def _duration(seconds: float) -> str:
+  seconds = int(round(seconds))
+  hours, rest = divmod(seconds, 3600)
+  return (f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours
+          else f"{rest // 60}:{rest % 60:02d}")
+
+
+class ProgressBar:
+  """Steps done of the total, steps and images per second, and the time
+  left at that rate (pauses for evaluations and saves left out), on a
+  terminal's last line (`metric_writer.StatusLine`); redrawn at most every
+  `interval` seconds. Off a terminal it prints nothing."""
+
+  def __init__(self, status: metric_writer.StatusLine, *, batch_size: int,
+               start_step: int, clock: Clock, interval: float = 0.5,
+               width: int = 24):
+    self._status = status
+    self._batch_size = batch_size
+    self._clock = clock
+    self.restart(start_step)
+    self._interval = interval
+    self._width = width
+    self._drawn_at = float("-inf")
+
+  def restart(self, step: int) -> None:
+    """Counts the rate from now and `step` (e.g. after compiling)."""
+    self._start = (time.perf_counter(), step, self._clock.paused)
+
+  def update(self, step: int, total_steps: int) -> None:
+    now = time.perf_counter()
+    if not self._status.enabled or (now - self._drawn_at < self._interval
+                                    and step < total_steps):
+      return
+    self._drawn_at = now
+    began, start_step, paused = self._start
+    seconds = now - began - (self._clock.paused - paused)
+    rate = (step - start_step) / seconds if seconds > 0 else 0.0
+    filled = int(self._width * step / max(total_steps, 1))
+    left = (f"{_duration((total_steps - step) / rate)} left" if rate > 0
+            else "")
+    self._status.show(
+        f"[{'#' * filled}{'.' * (self._width - filled)}] step {step}/"
+        f"{total_steps}  {rate:.1f} steps/s  "
+        f"{rate * self._batch_size:,.0f} images/s  {left}")
+
+  def announce(self, what: str) -> None:
+    """Says on the bar what the loop does now (an evaluation, a save)."""
+    if self._status.enabled:
+      self._status.show(f"{self._status.text.split(' | ')[0]} | {what}")
