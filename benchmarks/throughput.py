@@ -33,6 +33,7 @@ brackets), peak RSS),
 with --growth the cost growth of vit_jax with image size and depth, and ends
 with
   summary: train_vs_timm=… infer_vs_timm=… train_gemm_fraction=… compile_s=…
+           cpu="…"
 where *_vs_timm is the worst ratio over the two models of vit_jax to the
 fastest PyTorch variant, train_gemm_fraction the worst training GFLOP/s as a
 fraction of the GEMM rate, compile_s the slower train-step compile.
@@ -44,6 +45,7 @@ kept in ~/.cache/vit_jax/torchinductor unless TORCHINDUCTOR_CACHE_DIR is set.
 import argparse
 import json
 import os
+import platform
 import resource
 import statistics
 import subprocess
@@ -308,6 +310,30 @@ def spawn(args: list[str], env: dict) -> dict:
   return result
 
 
+# The ISA extensions that decide which kernels XLA and PyTorch run.
+_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+              "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "asimd",
+              "sve", "sve2", "bf16", "i8mm")
+
+
+def cpu_description() -> tuple[str, list[str]]:
+  """The CPU's model name and which of `_ISA_FLAGS` it has (Linux
+  /proc/cpuinfo; x86 "flags" or Arm "Features")."""
+  model, flags = platform.processor() or platform.machine(), set()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "Model name", "CPU part") and value.strip():
+          model = value.strip() if key != "CPU part" else model
+        elif key in ("flags", "Features"):
+          flags.update(value.split())
+  except OSError:
+    pass
+  return model, [flag for flag in _ISA_FLAGS if flag in flags]
+
+
 def machine_load() -> str:
   with open("/proc/loadavg") as f:
     return " ".join(f.read().split()[:3])
@@ -404,6 +430,8 @@ def main():
         f"{'' if args.fast_malloc else ' --no-fast_malloc'}"
         f"{devices_flag}"
         f"{' --growth' if args.growth else ''}")
+  cpu_model, isa = cpu_description()
+  print(f"CPU: {cpu_model}, {os.cpu_count()} cores; ISA: {' '.join(isa)}")
   print(f"GEMM fp32 GFLOP/s, best of 2x10 (2048^3 | 8320x192x768; jax with "
         f"vit_jax's flags): torch "
         f"{gemm['torch']['2048x2048x2048']:.0f} | "
@@ -467,7 +495,7 @@ def main():
   print(f"summary: train_vs_timm={min(ratios['train']):.2f} "
         f"infer_vs_timm={min(ratios['infer']):.2f} "
         f"train_gemm_fraction={min(gemm_fractions):.2f} "
-        f"compile_s={max(compile_s):.1f}")
+        f"compile_s={max(compile_s):.1f} cpu=\"{cpu_model}\"")
 
 
 if __name__ == "__main__":

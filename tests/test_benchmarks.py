@@ -339,3 +339,15 @@ def test_gpu_profile_sums_kernels_of_gpu_streams_by_class(tmp_path):
       "reduction fusions": 0.05}
   assert summary["gpu_busy_ms_per_step"] == 0.45  # 0-700, 1000-1100, 1200-1300
   assert summary["kernels_per_step"] == 2.0
+
+
+def test_throughput_benchmark_names_the_cpu_and_its_isa():
+  """The CPU model and ISA flags the benchmark prints (and puts in its
+  summary line) are /proc/cpuinfo's."""
+  model, isa = _throughput_module().cpu_description()
+  with open("/proc/cpuinfo") as f:
+    cpuinfo = f.read()
+  assert model and model in cpuinfo
+  flags = set(re.findall(r"^(?:flags|Features)\s*:(.*)$", cpuinfo,
+                         re.M)[0].split())
+  assert isa and set(isa) <= flags
