@@ -237,7 +237,7 @@ def evaluate(eval_fn, params: Any, dataset: datasets.Dataset,
       dataset.test_images, dataset.test_labels, batch_size, mesh):
     sums = eval_fn(params, images, labels, mask)
     if totals is not None:
-      jax.block_until_ready(totals)  # bounded queue, as in train.py's loop
+      jax.block_until_ready(totals)  # bounded queue, as in loop.py's loop
     # Summed on device: one host transfer per evaluation, not per batch.
     totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
   totals = jax.device_get(totals)
