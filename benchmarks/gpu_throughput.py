@@ -126,14 +126,8 @@ def jax_worker(name: str, mode: str, batch: int, profile_dir: str = ""
         steps.train_step, preprocess=_preprocess, label_smoothing=0.0,
         learning_rate_fn=lambda _: 1e-3), donate_argnums=0)
     compiled = step.lower(state, images, labels).compile()
-    holder = [state]
-
-    def run_steps(n):
-      for _ in range(n):
-        holder[0], metrics = compiled(holder[0], images, labels)
-      holder.append(metrics)
-      del holder[1:-1]
-    synchronize = lambda: jax.block_until_ready(holder)
+    stepper = _TrainSteps(compiled, state, images, labels)
+    run_steps, synchronize = stepper.run, stepper.synchronize
   else:
     params = jax.jit(lambda k: jax.tree.map(
         lambda p: p.astype(jnp.bfloat16), model.init(k, jnp.zeros(
@@ -158,6 +152,23 @@ def jax_worker(name: str, mode: str, batch: int, profile_dir: str = ""
   if profile_dir:
     result["profile"] = _profile(jax, run_steps, synchronize, profile_dir)
   return result
+
+
+class _TrainSteps:
+  """A compiled, state-donating train step run n times on one batch; the
+  state and the last metrics are kept for the next run and to wait on."""
+
+  def __init__(self, compiled, state, images, labels):
+    self._compiled, self._batch = compiled, (images, labels)
+    self._state, self._metrics = state, None
+
+  def run(self, n: int) -> None:
+    for _ in range(n):
+      self._state, self._metrics = self._compiled(self._state, *self._batch)
+
+  def synchronize(self) -> None:
+    import jax  # pylint: disable=import-outside-toplevel
+    jax.block_until_ready((self._state, self._metrics))
 
 
 def _jax_peak_gib(jax) -> float:
