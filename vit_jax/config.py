@@ -17,7 +17,7 @@ import numpy as np
 from ml_collections import config_dict
 
 from vit_jax.checkpoints import pretrained
-from vit_jax.data import augment, datasets
+from vit_jax.data import augment, datasets, file_sources
 from vit_jax.model import variants, vit
 from vit_jax.runtime import sharding
 from vit_jax.training import optim
@@ -28,7 +28,11 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
 
-  # Data. `dataset` is cifar10, cifar100, mnist, fashion_mnist or synthetic.
+  # Data. `dataset` is cifar10, cifar100, mnist, fashion_mnist, synthetic
+  # (these four held in memory), a folder of images (root/train/<class>/*,
+  # root/test/<class>/* or val/), or any TFDS image-classification name
+  # (imagenette, oxford_iiit_pet, food101, imagenet2012, ...); see
+  # vit_jax/data/file_sources.py.
   config.dataset = "cifar10"
   # Where to look: "auto" tries raw files (raw_data_dir, then known system
   # paths), then TFDS; "raw" and "tfds" use only that source.
@@ -39,6 +43,24 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   config.tfds_download = True  # let TFDS download and prepare when missing
   config.max_train_examples = config_dict.placeholder(int)  # take a slice
   config.max_eval_examples = config_dict.placeholder(int)
+  # Folders and TFDS datasets: decoded at image_size (224 if unset) with
+  # `channels` (None: 3); "auto" holds them in memory when that takes at
+  # most in_memory_max_mib, else streams them ("memory", "stream" force it).
+  config.data_pipeline = "auto"
+  config.in_memory_max_mib = 2048
+  config.channels = config_dict.placeholder(int)
+  # Worker processes decoding a streamed dataset; None: half the cores.
+  config.data_workers = config_dict.placeholder(int)
+  # A folder without test/ or val/: this fraction of each class held out
+  # (the same files for the same seed).
+  config.holdout_fraction = 0.1
+  # Unreadable images: an error naming the file (False), or skipped,
+  # counted and reported each epoch (True).
+  config.skip_bad_images = False
+  # Evaluation of folder/TFDS data: the central crop_fraction of the
+  # shorter side, resized to image_size. None: 0.875 with
+  # random_resized_crop (the ImageNet recipes' 224/256), else 1.0.
+  config.eval_crop_fraction = config_dict.placeholder(float)
   # Synthetic data (dataset="synthetic"): class-dependent patterns + noise.
   config.synthetic = ml_collections.ConfigDict(dict(
       num_train=512, num_eval=128, image_size=32, channels=3, num_classes=10))
@@ -161,18 +183,23 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   config.lock()
   return config
 
+def _is_file_dataset(config: ml_collections.ConfigDict) -> bool:
+  """Whether config.dataset is a folder or a TFDS name (file_sources.py)."""
+  return (config.dataset != "synthetic"
+          and config.dataset not in datasets.SPECS)
+
+
 def image_shape_of(config: ml_collections.ConfigDict) -> tuple[int, int, int]:
   """(H, W, C) the model sees, known without loading the dataset.
 
-  That is the dataset's image shape, or config.image_size square if set.
+  That is the dataset's image shape, or config.image_size square if set;
+  folders and TFDS datasets: image_size (224 if unset) and config.channels.
   """
   if config.dataset == "synthetic":
     s = config.synthetic
     shape = (s.image_size, s.image_size, s.channels)
-  elif config.dataset not in datasets.SPECS:
-    raise ValueError(
-        f"config.dataset={config.dataset!r} is not supported; choose one of "
-        f"{sorted(datasets.SPECS) + ['synthetic']}.")
+  elif _is_file_dataset(config):
+    return file_sources.image_shape(config)
   else:
     shape = datasets.SPECS[config.dataset].image_shape
   if config.image_size is not None:
@@ -181,10 +208,11 @@ def image_shape_of(config: ml_collections.ConfigDict) -> tuple[int, int, int]:
 
 
 def num_classes_of(config: ml_collections.ConfigDict) -> int:
-  """Number of classes of the configured dataset, without loading it."""
+  """Number of classes of the configured dataset, without decoding it."""
   if config.dataset == "synthetic":
     return config.synthetic.num_classes
-  image_shape_of(config)  # raises for an unknown dataset
+  if _is_file_dataset(config):
+    return file_sources.num_classes(config)
   return datasets.SPECS[config.dataset].num_classes
 
 
@@ -214,6 +242,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _check_choice(config, "posemb_resize", pretrained.RESIZE_METHODS)
   _check_choice(config, "schedule", optim.SCHEDULES)
   _check_choice(config, "auto_augment", augment.AUTO_AUGMENTS)
+  _check_choice(config, "data_pipeline", file_sources.PIPELINES)
+  _validate_file_data(config)
   if config.model.posemb not in vit.POSITION_EMBEDDINGS:
     raise ValueError(
         f"config.model.posemb={config.model.posemb!r} is not supported; "
@@ -295,6 +325,26 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         f"choose one of {vit.CLASSIFIERS}.")
 
 
+def _validate_file_data(config: ml_collections.ConfigDict) -> None:
+  """The keys of folder and TFDS datasets."""
+  if config.channels not in (None, 1, 3):
+    raise ValueError(f"config.channels={config.channels}: 1 (grayscale) or "
+                     "3 (RGB), or None for 3.")
+  if config.data_workers is not None and config.data_workers < 0:
+    raise ValueError(f"config.data_workers={config.data_workers} must be >= 0"
+                     " (0 decodes in the training process).")
+  if not 0.0 < config.holdout_fraction < 1.0:
+    raise ValueError(f"config.holdout_fraction={config.holdout_fraction} "
+                     "must be in (0, 1).")
+  fraction = config.eval_crop_fraction
+  if fraction is not None and not 0.0 < fraction <= 1.0:
+    raise ValueError(f"config.eval_crop_fraction={fraction} must be in "
+                     "(0, 1], or None.")
+  if config.in_memory_max_mib < 0:
+    raise ValueError(f"config.in_memory_max_mib={config.in_memory_max_mib} "
+                     "must be >= 0 (0: always stream).")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
   """The quantities a run derives from its config, mesh and dataset,
@@ -322,7 +372,7 @@ def run_spec(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
         f"{micro_batch} does not split over {mesh.size} devices; pick "
         f"accum_steps so that batch_size / accum_steps is a multiple of "
         f"{mesh.size}.")
-  num_train = len(dataset.train_images)
+  num_train = dataset.num_train
   steps_per_epoch = num_train // config.batch_size
   if steps_per_epoch == 0:
     raise ValueError(f"config.batch_size={config.batch_size} exceeds the "
@@ -347,18 +397,20 @@ def run_spec(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
 
 def train_step_options(config: ml_collections.ConfigDict, mean: np.ndarray,
                        std: np.ndarray, flip: bool,
-                       ema_start_step: int = 0) -> dict:
+                       ema_start_step: int = 0,
+                       crops_on_host: bool = False) -> dict:
   """`steps.train_step`'s keyword arguments (but the learning rate) for
   `config`: the on-device augmentation and normalisation (`preprocess`;
   mean, std: the pixel statistics; flip: random mirroring) and the step's
   options. ema_start_step: where the EMA's ramp starts (the unmasked
-  tuning restarts it)."""
+  tuning restarts it). crops_on_host: the input pipeline has made the
+  random-resized crop already (streamed data), so the step does not."""
   return dict(
       preprocess=functools.partial(
           augment.train_preprocess, mean=mean, std=std,
           crop_padding=config.crop_padding, flip=flip,
           image_size=config.image_size,
-          resized_crop=config.random_resized_crop,
+          resized_crop=config.random_resized_crop and not crops_on_host,
           min_crop_area=config.min_crop_area,
           auto_augment=config.auto_augment,
           randaugment_num_ops=config.randaugment_num_ops,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from vit_jax import config as config_lib
-from vit_jax.data import augment, datasets, input_pipeline, raw_files
+from vit_jax.data import augment, datasets, input_pipeline, order, raw_files
 from vit_jax.runtime import sharding
 
 
@@ -169,14 +169,14 @@ def test_synthetic_is_deterministic_and_class_dependent():
 def test_train_order_is_a_permutation_per_epoch_and_a_function_of_step():
   steps_per_epoch = 10
   epoch = np.concatenate([
-      input_pipeline.train_batch_indices(105, 10, seed=3, step=s)
+      order.train_batch_indices(105, 10, seed=3, step=s)
       for s in range(steps_per_epoch)])
   assert len(set(epoch.tolist())) == 100  # 5 left over, none repeated
-  next_epoch = input_pipeline.train_batch_indices(105, 10, seed=3, step=10)
+  next_epoch = order.train_batch_indices(105, 10, seed=3, step=10)
   assert not np.array_equal(next_epoch, epoch[:10])
   np.testing.assert_array_equal(
-      input_pipeline.train_batch_indices(105, 10, seed=3, step=13),
-      input_pipeline.train_batch_indices(105, 10, seed=3, step=13))
+      order.train_batch_indices(105, 10, seed=3, step=13),
+      order.train_batch_indices(105, 10, seed=3, step=13))
 
 
 def test_train_batches_resume_at_any_step():

@@ -15,12 +15,13 @@ Sources, in the order `data_source="auto"` tries them:
 """
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
+import jax
 import ml_collections
 import numpy as np
 
-from vit_jax.data import raw_files
+from vit_jax.data import input_pipeline, raw_files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +74,38 @@ class Dataset:
   flip: bool
   source: str  # where it was read from, for the log
 
+  crops_on_host = False  # every crop is the train step's, on device
+
   @property
   def image_shape(self) -> tuple[int, int, int]:
     return self.train_images.shape[1:]
+
+  @property
+  def num_train(self) -> int:
+    return len(self.train_images)
+
+  @property
+  def num_test(self) -> int:
+    return len(self.test_images)
+
+  def train_batches(self, batch_size: int, seed: int, start_step: int,
+                    mesh: jax.sharding.Mesh
+                    ) -> Iterator[tuple[jax.Array, jax.Array]]:
+    """(images, labels) global batches for steps start_step, +1, ..."""
+    return input_pipeline.train_batches(
+        self.train_images, self.train_labels, batch_size, seed, start_step,
+        mesh)
+
+  def eval_batches(self, batch_size: int, mesh: jax.sharding.Mesh
+                   ) -> Iterator[tuple[jax.Array, jax.Array, jax.Array]]:
+    """(images, labels, mask) covering every test example once."""
+    return input_pipeline.eval_batches(self.test_images, self.test_labels,
+                                       batch_size, mesh)
+
+  def test_examples(self, indices) -> tuple[np.ndarray, np.ndarray]:
+    """(images, labels) of the test examples `indices`."""
+    indices = np.asarray(indices, np.int64)
+    return self.test_images[indices], self.test_labels[indices]
 
   def channel_stats(self) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel mean and std of the training images, in [0, 255] units."""
@@ -183,8 +213,12 @@ def load(config: ml_collections.ConfigDict) -> Dataset:
     s = config.synthetic
     dataset = make_synthetic(s.num_train, s.num_eval, s.image_size,
                              s.channels, s.num_classes, seed=config.seed)
-  else:
+  elif name in SPECS:
     dataset = _load_named(config)
+  else:
+    # Imported here: grain and PIL are needed only for these datasets.
+    from vit_jax.data import file_sources  # pylint: disable=g-import-not-at-top
+    return file_sources.open_dataset(config)  # max_*_examples applied
   if config.max_train_examples:
     dataset.train_images = dataset.train_images[:config.max_train_examples]
     dataset.train_labels = dataset.train_labels[:config.max_train_examples]
@@ -196,9 +230,6 @@ def load(config: ml_collections.ConfigDict) -> Dataset:
 
 def _load_named(config: ml_collections.ConfigDict) -> Dataset:
   name, source = config.dataset, config.data_source
-  if name not in SPECS:
-    raise ValueError(f"config.dataset={name!r} is not supported; choose one "
-                     f"of {sorted(SPECS) + ['synthetic']}.")
   if source not in ("auto", "raw", "tfds"):
     raise ValueError(f"config.data_source={source!r}; choose auto, raw or "
                      "tfds.")

@@ -3,12 +3,10 @@ precision and recall, and the most confident mistakes (numpy, no plotting).
 """
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
-
-from vit_jax.data import input_pipeline
 
 
 @dataclasses.dataclass
@@ -16,6 +14,14 @@ class Predictions:
   """Model outputs over a test set, one row per example, in dataset order."""
   labels: np.ndarray         # (N,) int
   probabilities: np.ndarray  # (N, K) float32, softmax of the logits
+  # (N,) int: each row's index in the test split (rows skipped as
+  # unreadable leave gaps); None: row i is example i.
+  indices: Optional[np.ndarray] = None
+
+  def example_indices(self, rows) -> np.ndarray:
+    """The test-split indices of `rows`."""
+    rows = np.asarray(rows, np.int64)
+    return rows if self.indices is None else self.indices[rows]
 
   @property
   def predicted(self) -> np.ndarray:
@@ -26,17 +32,24 @@ class Predictions:
     return float(np.mean(self.predicted == self.labels))
 
 
-def predict_dataset(logits_fn: Callable, images: np.ndarray,
-                    labels: np.ndarray, batch_size: int, mesh) -> Predictions:
-  """Runs `logits_fn(uint8 batch) -> logits` over every example once."""
-  probabilities = []
-  for batch_images, _, mask in input_pipeline.eval_batches(
-      images, labels, batch_size, mesh):
+def predict_dataset(logits_fn: Callable, dataset, batch_size: int, mesh
+                    ) -> Predictions:
+  """Runs `logits_fn(uint8 batch) -> logits` over every test example of
+  `dataset` (its `eval_batches`) once."""
+  probabilities, labels, indices = [], [], []
+  offset = 0
+  for batch_images, batch_labels, mask in dataset.eval_batches(batch_size,
+                                                               mesh):
     logits = logits_fn(batch_images)
     probs = np.asarray(jax.device_get(jax.nn.softmax(logits, axis=-1)))
-    probabilities.append(probs[np.asarray(jax.device_get(mask)) > 0])
-  return Predictions(labels=np.asarray(labels),
-                     probabilities=np.concatenate(probabilities))
+    keep = np.asarray(jax.device_get(mask)) > 0
+    probabilities.append(probs[keep])
+    labels.append(np.asarray(jax.device_get(batch_labels))[keep])
+    indices.append(offset + np.flatnonzero(keep))
+    offset += len(keep)
+  return Predictions(labels=np.concatenate(labels),
+                     probabilities=np.concatenate(probabilities),
+                     indices=np.concatenate(indices))
 
 
 def confusion_matrix(labels: np.ndarray, predicted: np.ndarray,

@@ -152,12 +152,12 @@ def attention_inputs(config: ml_collections.ConfigDict,
     captions = [os.path.basename(p) for p in paths]
   else:
     dataset = datasets.load(config)
-    images = dataset.test_images[:num_images]
+    images, labels = dataset.test_examples(
+        np.arange(min(num_images, dataset.num_test)))
     if images.shape[1:] != tuple(trained.image_shape):
       images = np.asarray(jnp.round(augment.resize(
           jnp.asarray(images), trained.image_shape[0])).astype(jnp.uint8))
-    captions = [f"true: {trained.class_names[label]}"
-                for label in dataset.test_labels[:num_images]]
+    captions = [f"true: {trained.class_names[label]}" for label in labels]
   predicted = np.asarray(trained.logits(images)).argmax(axis=1)
   return images, [f"{caption}\npredicted: {trained.class_names[p]}"
                   for caption, p in zip(captions, predicted)]
@@ -190,7 +190,7 @@ def evaluation_report(config: ml_collections.ConfigDict,
   batch_size = config.eval_batch_size
   predictions = reports.predict_dataset(
       lambda batch: trained.logits(augment.resize(batch, config.image_size)),
-      dataset.test_images, dataset.test_labels, batch_size, mesh)
+      dataset, batch_size, mesh)
   names = trained.class_names
   text = reports.format_report(predictions, names)
   os.makedirs(out_dir, exist_ok=True)
@@ -202,7 +202,7 @@ def evaluation_report(config: ml_collections.ConfigDict,
                          os.path.join(out_dir, "confusion_matrix.png"))
   mistakes = reports.confident_mistakes(predictions, num_mistakes)
   plots.image_grid(
-      dataset.test_images[mistakes],
+      dataset.test_examples(predictions.example_indices(mistakes))[0],
       [f"{names[predictions.predicted[i]]} "
        f"{predictions.probabilities[i].max():.0%}\n(true: "
        f"{names[predictions.labels[i]]})" for i in mistakes],

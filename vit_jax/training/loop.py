@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 
 from vit_jax import config as config_lib
 from vit_jax.checkpoints import orbax_checkpoints, pretrained
-from vit_jax.data import augment, datasets, input_pipeline
+from vit_jax.data import augment, datasets
 from vit_jax.model import options, variants, vit
 from vit_jax.runtime import host, preemption, sharding
 from vit_jax.training import (budget, budget_tracker, metric_writer, optim,
@@ -57,8 +57,9 @@ class Run:
     """The train step of `state` as it is: its layout, model, optimizer."""
     return steps.compile_train_step(
         self.mesh, steps.shardings_of(state), learning_rate_fn,
-        **config_lib.train_step_options(self.config, self.mean, self.std,
-                                        self.flip, ema_start_step))
+        **config_lib.train_step_options(
+            self.config, self.mean, self.std, self.flip, ema_start_step,
+            crops_on_host=self.dataset.crops_on_host))
 
   @property
   def unmasked_model(self) -> vit.VisionTransformer:
@@ -126,7 +127,7 @@ def build_run(config: ml_collections.ConfigDict, workdir: str):
   metric_writer.write_model_info(workdir, dataset.name, dataset.class_names,
                                  spec.image_shape, mean, std)
   log(f"Data: {dataset.name} from {dataset.source}: "
-      f"{len(dataset.train_images)} train / {len(dataset.test_images)} test "
+      f"{dataset.num_train} train / {dataset.num_test} test "
       f"images of shape {dataset.image_shape}, {dataset.num_classes} "
       "classes.")
   model = variants.build_model(config.model, dataset.num_classes)
@@ -218,9 +219,8 @@ def _train(run: Run, state: steps.TrainState, start_step: int,
   bar = progress.ProgressBar(status, batch_size=config.batch_size,
                              start_step=start_step, clock=clock)
   phase = Phase(run.compile_train_step(state, learning_rate_fn))
-  batches = input_pipeline.train_batches(
-      run.dataset.train_images, run.dataset.train_labels, config.batch_size,
-      config.seed, start_step, run.mesh)
+  batches = run.dataset.train_batches(config.batch_size, config.seed,
+                                      start_step, run.mesh)
   best_accuracy = orbax_checkpoints.best_accuracy(run.workdir)  # before writes
   eval_metrics = {}
   step = start_step
@@ -330,9 +330,8 @@ def _measure_for_plan(run: Run, state, batch, done: int,
   evaluation, a real checkpoint of step `done` written through, and (with
   an unmasked tuning) its step's compilation and a few of its steps, run
   on a copy of the state and the last batch."""
-  test_batch = next(input_pipeline.eval_batches(
-      run.dataset.test_images, run.dataset.test_labels,
-      run.config.eval_batch_size, run.mesh))
+  test_batch = next(run.dataset.eval_batches(run.config.eval_batch_size,
+                                             run.mesh))
   tick = time.perf_counter()
   jax.block_until_ready(run.eval_fn(state.params, *test_batch))
   eval_compile = time.perf_counter() - tick

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
-from vit_jax.data import augment, datasets, input_pipeline, mixing
+from vit_jax.data import augment, datasets, mixing
 from vit_jax.runtime import sharding
 from vit_jax.training import optim
 
@@ -233,8 +233,7 @@ def evaluate(eval_fn, params: Any, dataset: datasets.Dataset,
   """Loss and accuracy of `params` over every test example, each counted
   once."""
   totals = None
-  for images, labels, mask in input_pipeline.eval_batches(
-      dataset.test_images, dataset.test_labels, batch_size, mesh):
+  for images, labels, mask in dataset.eval_batches(batch_size, mesh):
     sums = eval_fn(params, images, labels, mask)
     if totals is not None:
       jax.block_until_ready(totals)  # bounded queue, as in loop.py's loop

@@ -1,0 +1,88 @@
+"""main.py trains on a folder of images through worker processes, resumes
+exactly mid-epoch, and each process of two reads only its rows."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+from test_streaming import _config, write_folder  # pylint: disable=g-bad-import-order
+from vit_jax.checkpoints import pretrained
+from vit_jax.data import datasets, examples
+
+from helpers import ROOT  # pylint: disable=wrong-import-order
+
+FLAGS = ["--config=configs/vit_tiny_fashion_mnist.py",
+         "--config.image_size=16", "--config.batch_size=8",
+         "--config.eval_batch_size=8", "--config.num_train_steps=30",
+         "--config.log_every_steps=5", "--config.checkpoint_every_steps=10",
+         "--config.eval_every_epochs=100", "--config.data_pipeline=stream",
+         "--config.data_workers=1", "--config.random_resized_crop=True",
+         "--config.crop_padding=0", "--config.model.num_layers=1",
+         "--config.model.hidden_size=32", "--config.model.num_heads=2",
+         "--config.model.mlp_dim=64", "--config.normalization=inception"]
+
+
+def _main(folder, workdir, stop_after_step=None):
+  """Runs main.py on `folder`; with stop_after_step, sends SIGTERM on the
+  log line of that train step."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  process = subprocess.Popen(
+      [sys.executable, "main.py", *FLAGS, f"--config.dataset={folder}",
+       f"--workdir={workdir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+  lines = []
+  for line in process.stdout:
+    lines.append(line)
+    if stop_after_step and line.split("|")[0].split() == [
+        "train", "step", str(stop_after_step)]:
+      process.send_signal(signal.SIGTERM)
+      stop_after_step = None
+  stderr = process.stderr.read()
+  process.wait(timeout=600)
+  return process.returncode, "".join(lines), stderr
+
+
+def test_folder_run_names_classes_and_resumes_exactly_mid_epoch(tmp_path):
+  folder = write_folder(tmp_path / "photos", per_class=(12, 4))
+  straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
+  code, out, err = _main(folder, straight)
+  assert code == 0, err[-3000:]
+  assert f"from the folder {folder} (test: test/)" in out
+  assert "Final test accuracy" in out
+  with open(os.path.join(straight, "model_info.json")) as f:
+    assert json.load(f)["class_names"] == ["circle", "square", "stripes"]
+
+  # 36 images, batch 8: an epoch is 4 steps; the stop lands a step or two
+  # after the signal, mid-epoch.
+  code, _, err = _main(folder, stopped, stop_after_step=5)
+  assert code == 128 + signal.SIGTERM, err[-3000:]
+  step = int(err.split("after step ")[1].split(";")[0])
+  assert step % 4 and 5 <= step < 30
+  code, out, err = _main(folder, stopped)
+  assert code == 0, err[-3000:]
+  assert f"Resumed from the checkpoint of step {step}" in out
+  resumed, _ = pretrained.load_params(stopped, 2)
+  reference, _ = pretrained.load_params(straight, 2)
+  for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(reference)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_each_process_decodes_only_its_rows_of_the_global_batch(tmp_path):
+  dataset = datasets.load(_config(write_folder(tmp_path / "photos")))
+  transform = dataset._transform(train=True)  # pylint: disable=protected-access
+  # Two processes of 4 rows each against one of 8, over two steps.
+  elements = [examples.TrainElement(dataset.train, transform, 8, per_process,
+                                    index, 0, False)
+              for per_process, index in ((8, 0), (4, 0), (4, 1))]
+  for step in range(2):
+    whole = [elements[0](step * 8 + row) for row in range(8)]
+    halves = ([elements[1](step * 4 + row) for row in range(4)] +
+              [elements[2](step * 4 + row) for row in range(4)])
+    for a, b in zip(whole, halves):
+      np.testing.assert_array_equal(a["image"], b["image"])
+      assert a["label"] == b["label"]
