@@ -17,7 +17,8 @@ import numpy as np
 from ml_collections import config_dict
 
 from vit_jax.checkpoints import pretrained
-from vit_jax.data import augment, datasets, file_sources
+from vit_jax.data import augment, datasets, file_sources, image_folder
+from vit_jax.data import tfds_source
 from vit_jax.model import variants, vit
 from vit_jax.runtime import sharding
 from vit_jax.training import optim
@@ -326,7 +327,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
 
 def _validate_file_data(config: ml_collections.ConfigDict) -> None:
-  """The keys of folder and TFDS datasets."""
+  """The keys of folder and TFDS datasets; a TFDS name TFDS knows."""
+  if (_is_file_dataset(config)
+      and not image_folder.looks_like_folder(config.dataset)):
+    tfds_source.check_name(config.dataset)
   if config.channels not in (None, 1, 3):
     raise ValueError(f"config.channels={config.channels}: 1 (grayscale) or "
                      "3 (RGB), or None for 3.")

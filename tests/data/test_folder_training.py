@@ -9,12 +9,13 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from test_streaming import _config, write_folder  # pylint: disable=g-bad-import-order
 from vit_jax.checkpoints import pretrained
 from vit_jax.data import datasets, examples
 
-from helpers import ROOT  # pylint: disable=wrong-import-order
+from helpers import ROOT, run_python  # pylint: disable=wrong-import-order
 
 FLAGS = ["--config=configs/vit_tiny_fashion_mnist.py",
          "--config.image_size=16", "--config.batch_size=8",
@@ -86,3 +87,61 @@ def test_each_process_decodes_only_its_rows_of_the_global_batch(tmp_path):
     for a, b in zip(whole, halves):
       np.testing.assert_array_equal(a["image"], b["image"])
       assert a["label"] == b["label"]
+
+
+SMALL_MODEL = ["--config.model.num_layers=1", "--config.model.hidden_size=32",
+               "--config.model.num_heads=2", "--config.model.mlp_dim=64"]
+
+
+def test_imagenet_config_runs_end_to_end_on_an_imagenet_layout_folder(
+    tmp_path):
+  folder = write_folder(tmp_path / "imagenet_like", sizes=((80, 60),))
+  os.rename(os.path.join(folder, "test"), os.path.join(folder, "val"))
+  result = run_python(
+      "main.py", "--config=configs/vit_imagenet.py", *SMALL_MODEL,
+      f"--config.dataset={folder}", "--config.batch_size=8",
+      "--config.num_train_steps=3", "--config.warmup_steps=1",
+      "--config.eval_batch_size=8", "--config.image_size=32",
+      "--config.data_workers=1", f"--workdir={tmp_path / 'run'}",
+      env=dict(os.environ,
+               XLA_FLAGS="--xla_force_host_platform_device_count=1"))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "(test: val/)" in result.stdout
+  assert "Final test accuracy" in result.stdout
+
+
+@pytest.mark.slow
+def test_finetune_folder_config_from_an_official_layout_checkpoint(tmp_path):
+  """configs/vit_finetune_folder.py: an official-layout .npz (random
+  ViT-Ti/16 weights, 21k-class head) fine-tuned on a folder, and the
+  linear probe: only the head moves."""
+  npz = str(tmp_path / "ViT-Ti_16.npz")
+  converted = run_python(
+      "-m", "vit_jax.checkpoints.convert", "--random_init=ViT-Ti/16",
+      "--num_classes=21843", f"--output={npz}")
+  assert converted.returncode == 0, converted.stderr
+  folder = write_folder(tmp_path / "photos", sizes=((80, 60), (50, 70)))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  common = [f"--config.init_from={npz}", f"--config.dataset={folder}",
+            "--config.model.name=ViT-Ti/16", "--config.model.hidden_size=192",
+            "--config.model.num_heads=3", "--config.model.mlp_dim=768",
+            "--config.model.num_layers=12", "--config.batch_size=8",
+            "--config.accum_steps=2", "--config.num_train_steps=2",
+            "--config.warmup_steps=1", "--config.eval_batch_size=8",
+            "--config.image_size=64"]
+  for mode in ("", ":linear_probe"):
+    workdir = str(tmp_path / f"run{mode.strip(':')}")
+    result = run_python(
+        "main.py", f"--config=configs/vit_finetune_folder.py{mode}", *common,
+        f"--workdir={workdir}", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parameters loaded" in result.stdout
+    assert "Final test accuracy" in result.stdout
+  tuned, _ = pretrained.load_params(str(tmp_path / "run"), 3)
+  probed, _ = pretrained.load_params(str(tmp_path / "runlinear_probe"), 3)
+  start, _ = pretrained.load_params(npz, 3)
+  embedding = ("embedding", "kernel")
+  assert not np.array_equal(tuned[embedding[0]][embedding[1]],
+                            start[embedding[0]][embedding[1]])
+  np.testing.assert_array_equal(probed[embedding[0]][embedding[1]],
+                                start[embedding[0]][embedding[1]])

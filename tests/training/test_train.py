@@ -349,7 +349,7 @@ def test_nan_batch_update_is_skipped_when_configured(tmp_path, capsys):
 @pytest.mark.parametrize("overrides,message", [
     (dict(batch_size=12), "batch_size=12 is not divisible by the 8 devices"),
     (dict(dataset="cifar10"), "patch_size=3 does not divide the 32x32"),
-    (dict(dataset="imagenet"), "config.dataset='imagenet' is not supported"),
+    (dict(dataset="imagenet"), "neither a folder nor a TFDS dataset"),
     (dict(label_smoothing=1.5), "label_smoothing=1.5"),
 ])
 def test_bad_config_fails_before_loading_data(tmp_path, overrides, message):

@@ -74,20 +74,27 @@ def _pick_split(info, names: Sequence[str], role: str) -> str:
       f"split ({', '.join(names)}).")
 
 
+def check_name(name: str) -> None:
+  """Raises DatasetFormatError unless TFDS knows `name` (no data read)."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  try:
+    tfds.builder_cls(name.split(":")[0].split("/")[0])
+  except tfds.core.registered.DatasetNotFoundError as e:
+    raise raw_files.DatasetFormatError(
+        f"config.dataset={name!r} is neither a folder nor a TFDS dataset "
+        f"({str(e).splitlines()[0][:200]}). Give a folder of images "
+        "(root/train/<class>/...), or a name from the TFDS catalogue "
+        "(imagenette, oxford_iiit_pet, food101, imagenet2012, ...).") from e
+
+
 def open_tfds(name: str, data_dir: Optional[str], manual_dir: Optional[str],
               download: bool) -> TfdsDataset:
   """Opens TFDS dataset `name`, preparing it first if allowed; raises an
   error naming the problem and the fix when it does not exist, is not
   prepared, or is not an image-classification dataset."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  try:
-    builder = tfds.builder(name, data_dir=data_dir)
-  except tfds.core.registered.DatasetNotFoundError as e:
-    raise raw_files.DatasetFormatError(
-        f"config.dataset={name!r} is neither a folder nor a TFDS dataset "
-        f"({str(e).splitlines()[0][:200]}). Give a folder of images, or a "
-        "name from the TFDS catalogue (imagenette, oxford_iiit_pet, "
-        "food101, imagenet2012, ...).") from e
+  check_name(name)
+  builder = tfds.builder(name, data_dir=data_dir)
   info = builder.info  # from the builder's code: known before preparing
   image_key, label_key = _feature_keys(info)
   if not builder.is_prepared():
