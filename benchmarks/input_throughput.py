@@ -10,13 +10,13 @@ once, then measures in this process:
   1. decode: the training pipeline alone (Inception crop to 224 px in
      grain workers, as streaming.py runs it), images/s per worker for each
      --workers count;
-  2. feed: the ViT-Ti/16 @224 train step fed from the folder (one worker)
+  2. memory: resident memory of this process (JAX started, no model yet)
+     and its worker while streaming folders of 2,000 and --rss_files small
+     (64x48) files: it must not grow with the file count.
+  3. feed: the ViT-Ti/16 @224 train step fed from the folder (one worker)
      against the same images decoded beforehand and fed from memory, the
      two interleaved over --rounds; folder_over_memory near 1.0 means the
      step never waits for data;
-  3. memory: resident memory of the training process and its workers while
-     streaming folders of 2,000 and --rss_files small files: it must not
-     grow with the file count.
 Ends with `summary: decode_images_per_s_per_worker=… folder_over_memory=…
 rss_mib=…` (per worker at the largest worker count that is at most the
 cores; RSS of the --rss_files folder).
@@ -42,7 +42,7 @@ _NUM_IMAGES = flags.DEFINE_integer("num_images", 1024, "JPEGs to decode.")
 _WORKERS = flags.DEFINE_list("workers", ["1", "2"], "Worker counts.")
 _BATCH = flags.DEFINE_integer("batch_size", 32, "Train step batch size.")
 _STEPS = flags.DEFINE_integer("steps", 6, "Timed train steps per round.")
-_ROUNDS = flags.DEFINE_integer("rounds", 2, "Interleaved feed rounds.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved feed rounds.")
 _RSS_FILES = flags.DEFINE_integer("rss_files", 50_000,
                                   "Files in the memory check's big folder.")
 _CACHE = flags.DEFINE_string("cache_dir", "/tmp/vit_jax_input_benchmark",
@@ -172,9 +172,10 @@ def feed_ratio(root: str, mesh) -> tuple[float, float]:
       "folder": stream.train_batches(_BATCH.value, 0, 0, mesh),
       "memory": input_pipeline.train_batches(
           memory_images, stream.train.labels, _BATCH.value, 0, 0, mesh)}
-  state, metrics = train_fn(state, *next(sources["memory"]))  # compile
-  jax.block_until_ready(metrics)
-  next(sources["folder"])  # workers started
+  for batches in sources.values():  # compile; workers started and ahead
+    for _ in range(2):
+      state, metrics = train_fn(state, *next(batches))
+      jax.block_until_ready(metrics)
   times = {name: [] for name in sources}
   for _ in range(_ROUNDS.value):
     for name, batches in sources.items():
@@ -219,10 +220,6 @@ def main(_):
     per_worker[workers] = rate / workers
     print(f"decode + Inception crop to 224, {workers} worker(s): "
           f"{rate:7.1f} images/s, {rate / workers:7.1f} per worker")
-  folder_rate, memory_rate = feed_ratio(photos, mesh)
-  print(f"ViT-Ti/16 @224 train step, batch {_BATCH.value}: fed from the "
-        f"folder {folder_rate:.1f} images/s, from memory {memory_rate:.1f} "
-        f"({folder_rate / memory_rate:.3f})")
   rss = {}
   for count in (2000, _RSS_FILES.value):
     root = write_folder(os.path.join(_CACHE.value, f"small_{count}"), count,
@@ -230,6 +227,10 @@ def main(_):
     rss[count] = streaming_rss(root, mesh)
     print(f"streaming a folder of {count:,} files: resident memory (this "
           f"process and its workers) {rss[count]:.0f} MiB")
+  folder_rate, memory_rate = feed_ratio(photos, mesh)
+  print(f"ViT-Ti/16 @224 train step, batch {_BATCH.value}: fed from the "
+        f"folder {folder_rate:.1f} images/s, from memory {memory_rate:.1f} "
+        f"({folder_rate / memory_rate:.3f})")
   fitting = [w for w in per_worker if w <= cores] or list(per_worker)
   print(f"summary: decode_images_per_s_per_worker="
         f"{per_worker[max(fitting)]:.1f} folder_over_memory="

@@ -95,8 +95,10 @@ class StreamingDataset:
     iterable = grain.experimental.WithOptionsIterDataset(
         iterable, grain.experimental.DatasetOptions(min_shm_size=2**62))
     if self.workers > 0:
-      iterable = iterable.mp_prefetch(grain.MultiprocessingOptions(
-          num_workers=self.workers, per_worker_buffer_size=2))
+      iterable = iterable.mp_prefetch(
+          grain.MultiprocessingOptions(num_workers=self.workers,
+                                       per_worker_buffer_size=2),
+          worker_init_fn=_lower_priority)
     return iter(iterable)
 
   def train_batches(self, batch_size: int, seed: int, start_step: int,
@@ -175,6 +177,14 @@ class StreamingDataset:
     pixels = np.concatenate(pixels).astype(np.float64)
     return (pixels.mean(0).astype(np.float32),
             np.maximum(pixels.std(0), 1.0).astype(np.float32))
+
+
+def _lower_priority(worker_index: int, worker_count: int) -> None:
+  """Runs a decoding worker at the lowest CPU priority: it then decodes in
+  the gaps the train step leaves (its serial parts, dispatch) instead of
+  stalling the step's threads, each of which the others wait for."""
+  del worker_index, worker_count
+  os.nice(19)
 
 
 class SkipCounter:
