@@ -114,9 +114,9 @@ def decode_rate(root: str, workers: int, mesh) -> float:
   return rate
 
 
-def _rss_mib(pid: int) -> float:
-  """Resident memory of `pid` and all its descendants, MiB."""
-  total, pending = 0.0, [pid]
+def _rss_mib(pid: int) -> tuple[float, float]:
+  """Resident memory of `pid` and of all its descendants, MiB."""
+  total, pending = {}, [pid]
   children = {}
   for entry in os.listdir("/proc"):
     if entry.isdigit():
@@ -133,19 +133,22 @@ def _rss_mib(pid: int) -> float:
       with open(f"/proc/{current}/status") as f:
         for line in f:
           if line.startswith("VmRSS:"):
-            total += int(line.split()[1]) / 1024
+            total[current] = int(line.split()[1]) / 1024
     except OSError:
       pass
-  return total
+  own = total.pop(pid, 0.0)
+  return own, sum(total.values())
 
 
-def streaming_rss(root: str, mesh, batches: int = 20) -> float:
+def streaming_rss(root: str, mesh, batches: int = 20
+                  ) -> tuple[float, float]:
+  """Peak (this process, its workers) resident MiB while streaming."""
   dataset = _stream(root, workers=1, size=64)
   stream = dataset.train_batches(64, 0, 0, mesh)
-  peak = 0.0
+  peak = (0.0, 0.0)
   for _ in range(batches):
     jax.block_until_ready(next(stream))
-    peak = max(peak, _rss_mib(os.getpid()))
+    peak = max(peak, _rss_mib(os.getpid()), key=sum)
   stream.close()
   return peak
 
@@ -224,9 +227,11 @@ def main(_):
   for count in (2000, _RSS_FILES.value):
     root = write_folder(os.path.join(_CACHE.value, f"small_{count}"), count,
                         size=(64, 48))
-    rss[count] = streaming_rss(root, mesh)
-    print(f"streaming a folder of {count:,} files: resident memory (this "
-          f"process and its workers) {rss[count]:.0f} MiB")
+    own, workers = streaming_rss(root, mesh)
+    rss[count] = own + workers
+    print(f"streaming a folder of {count:,} files: resident memory "
+          f"{rss[count]:.0f} MiB (this process {own:.0f}, its worker "
+          f"{workers:.0f})")
   folder_rate, memory_rate = feed_ratio(photos, mesh)
   print(f"ViT-Ti/16 @224 train step, batch {_BATCH.value}: fed from the "
         f"folder {folder_rate:.1f} images/s, from memory {memory_rate:.1f} "

@@ -180,11 +180,15 @@ class StreamingDataset:
 
 
 def _lower_priority(worker_index: int, worker_count: int) -> None:
-  """Runs a decoding worker at the lowest CPU priority: it then decodes in
-  the gaps the train step leaves (its serial parts, dispatch) instead of
-  stalling the step's threads, each of which the others wait for."""
+  """Runs a decoding worker at the lowest CPU priority (Linux SCHED_IDLE,
+  else nice 19): it then decodes in the gaps the train step leaves (its
+  serial parts, dispatch) instead of stalling the step's threads, each of
+  which the others wait for."""
   del worker_index, worker_count
-  os.nice(19)
+  try:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+  except (AttributeError, OSError):
+    os.nice(19)
 
 
 class SkipCounter:
