@@ -72,7 +72,8 @@ def test_main_reports_missing_data_with_fixes(tmp_path):
 
 @pytest.mark.parametrize("config", sorted(
     os.path.relpath(path, ROOT)
-    for path in glob.glob(os.path.join(ROOT, "configs", "*.py"))))
+    for path in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+    if not path.endswith("__init__.py")))
 def test_shipped_configs_are_valid(config, tmp_path):
   spec = importlib.util.spec_from_file_location("config_module",
                                                 os.path.join(ROOT, config))
@@ -169,7 +170,9 @@ def test_main_inspection_modes_on_fashion_mnist(tmp_path, fashion_mnist_dir):
 @pytest.mark.parametrize("flags, message", [
     (["--config=configs/nope.py"],
      r"No config file 'configs/nope.py'\. The shipped configs: .*"
-     r"configs/vit_tiny_cifar\.py"),
+     r"vit_tiny_cifar, "),
+    (["--config=configs/vit_tiny_cifar.py", "tiny"],
+     r"Unexpected arguments: \[.tiny.\]"),
     (["--config={broken}"],
      r"Could not load the config file .*broken\.py: SyntaxError"),
     (["--config={raising}"],
@@ -195,3 +198,16 @@ def test_cli_mistakes_end_in_one_clear_line(tmp_path, flags, message):
   assert result.returncode != 0
   assert "Traceback" not in result.stderr, result.stderr[-2000:]
   assert re.search(message, result.stderr), result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("launcher", [["main.py"], ["-m", "vit_jax"]])
+def test_mode_word_and_shipped_config_name(tmp_path, launcher):
+  """`vit-jax summary --config=NAME` as `python -m vit_jax` (the console
+  script's code) and through main.py: the mode as a word, the config by
+  its name in the package, with a `:ARG`."""
+  result = run_python(*launcher, "summary",
+                      "--config=vit_finetune_folder:linear_probe",
+                      "--config.dataset=synthetic", "--config.init_from=",
+                      f"--workdir={tmp_path}", timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "85,806,346" in result.stdout  # ViT-B/16, 10 classes
