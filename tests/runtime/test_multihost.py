@@ -123,3 +123,28 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_in_one(
                  _start([*one_device, f"--workdir={single}"], devices=1)])
   assert all("Resumed from the checkpoint of step 6" in o for o in out)
   _assert_same_params(resumed, single)
+
+
+@pytest.mark.slow
+def test_two_processes_stream_a_folder_like_one(tmp_path):
+  """Each process decodes its own rows of every global batch of a streamed
+  folder; together they train exactly like one process."""
+  sys.path.insert(0, os.path.join(ROOT, "tests", "data"))
+  from test_streaming import write_folder  # pylint: disable=g-import-not-at-top
+  folder = write_folder(tmp_path / "photos", per_class=(16, 4))
+  data = [f"--config.dataset={folder}", "--config.image_size=16",
+          "--config.data_pipeline=stream", "--config.data_workers=1",
+          "--config.random_resized_crop=True", "--config.crop_padding=0",
+          "--config.batch_size=16", "--config.eval_batch_size=16",
+          "--config.num_train_steps=6", "--config.mesh.data=-1"]
+  pair, single = str(tmp_path / "pair"), str(tmp_path / "single")
+  address = f"localhost:{_free_port()}"
+  outputs = _finish([
+      _start([*data, f"--workdir={pair}", f"--coordinator_address={address}",
+              "--num_processes=2", f"--process_id={index}"], devices=1)
+      for index in (0, 1)])
+  assert "2 device(s) (cpu) in 2 process(es)" in outputs[0]
+  _finish([_start([*data, f"--workdir={single}"], devices=2)])
+  chex.assert_trees_all_close(_losses(pair), _losses(single), rtol=1e-5)
+  evals = [r for r in metric_writer.read_metrics(pair) if r["split"] == "eval"]
+  assert evals[-1]["num_examples"] == 12  # every test image once
