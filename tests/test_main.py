@@ -114,7 +114,8 @@ def test_finetune_config_runs_from_an_official_layout_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_main_inspection_modes_on_fashion_mnist(tmp_path, fashion_mnist_dir):
-  """summary, curves, report, attention and predict, as a user runs them."""
+  """summary, curves, report, attention, figure7 and predict, as a user
+  runs them."""
   workdir = str(tmp_path / "run")
   common = ["--config=configs/vit_tiny_fashion_mnist.py",
             f"--config.raw_data_dir={fashion_mnist_dir}",
@@ -146,6 +147,10 @@ def test_main_inspection_modes_on_fashion_mnist(tmp_path, fashion_mnist_dir):
     result = _run_main(*common, f"--mode={mode}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert os.path.exists(os.path.join(figures, f"{mode}.png"))
+  figure7 = _run_main(*common, "--mode=figure7")
+  assert figure7.returncode == 0, figure7.stderr[-3000:]
+  for name in ("position_embedding_similarity", "mean_attention_distance"):
+    assert os.path.exists(os.path.join(figures, f"{name}.png"))
 
   from PIL import Image  # pylint: disable=g-import-not-at-top
   from vit_jax.data import raw_files  # pylint: disable=g-import-not-at-top

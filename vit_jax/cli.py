@@ -23,6 +23,8 @@ WORKDIR/figures unless --output_dir is given):
              (text + PNG), most confident mistakes (PNG)
   attention  attention rollout and per-head maps over test images, or
              over --images files (PNG)
+  figure7    the paper's Figure 7: position-embedding similarity and mean
+             attention distance per head and layer (PNGs)
   predict    top-k classes of --images=a.png,b.jpg; with --attention,
              saves each with its attention map
 
@@ -41,7 +43,8 @@ from ml_collections import config_flags
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                            "configs")
-_MODES = ("train", "summary", "curves", "report", "attention", "predict")
+_MODES = ("train", "summary", "curves", "report", "attention", "figure7",
+          "predict")
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "A config file, or the name of a shipped config "
@@ -56,7 +59,8 @@ _TOP_K = flags.DEFINE_integer("top_k", 3, "Classes to print per image.")
 _ATTENTION = flags.DEFINE_bool(
     "attention", False, "predict: also save each image's attention maps.")
 _NUM_IMAGES = flags.DEFINE_integer(
-    "num_images", 6, "attention: test images to show (without --images).")
+    "num_images", 6, "attention: test images to show (without --images); "
+    "figure7: test images averaged over (64 if not given).")
 _LAYER = flags.DEFINE_integer("layer", -1, "attention: layer of the "
                               "per-head maps (-1: the last).")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None,
@@ -115,6 +119,10 @@ def _inspect(mode: str, config, workdir: str) -> None:
                                   os.path.join(output_dir, "attention.png"),
                                   titles, layer=_LAYER.value)
     print(f"Wrote {path}")
+  elif mode == "figure7":
+    count = _NUM_IMAGES.value if flags.FLAGS["num_images"].present else 64
+    paths = tools.figure7(config, trained, output_dir, count)
+    print("Wrote " + " and ".join(paths))
   elif mode == "predict":
     if not _IMAGES.value:
       raise ValueError("--mode=predict needs --images=a.png,b.jpg")

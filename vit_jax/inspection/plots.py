@@ -155,3 +155,53 @@ def accuracy_vs_time(curve: Sequence[dict], path: str, title: str) -> str:
   figure.savefig(path, dpi=120)
   plt.close(figure)
   return path
+
+
+def position_similarity(similarity: np.ndarray, path: str) -> str:
+  """The paper's Figure 7 (centre): for each patch (i, j) of an (h, w)
+  grid, a small map of its position embedding's cosine similarity to every
+  patch, laid out on the grid. similarity: (h, w, h, w)."""
+  plt = _pyplot()
+  rows, columns = similarity.shape[:2]
+  figure, axes = plt.subplots(rows, columns, squeeze=False,
+                              figsize=(0.45 * columns + 1.2, 0.45 * rows + 0.6))
+  for (row, column), axis in np.ndenumerate(axes):
+    image = axis.imshow(similarity[row, column], cmap="viridis", vmin=-1,
+                        vmax=1)
+    axis.set_xticks([])
+    axis.set_yticks([])
+  for row in range(rows):
+    axes[row, 0].set_ylabel(str(row + 1), fontsize=6, rotation=0, ha="right")
+  for column in range(columns):
+    axes[-1, column].set_xlabel(str(column + 1), fontsize=6)
+  figure.supxlabel("input patch column", fontsize=8)
+  figure.supylabel("input patch row", fontsize=8)
+  figure.suptitle("Position embedding similarity", fontsize=9)
+  figure.colorbar(image, ax=axes, fraction=0.02, pad=0.02,
+                  label="cosine similarity")
+  figure.savefig(path, dpi=100)
+  plt.close(figure)
+  return path
+
+
+def attention_distance(distances: np.ndarray, path: str,
+                       image_size: int) -> str:
+  """The paper's Figure 7 (right): each head's mean attention distance
+  (pixels) against its layer. distances: (layers, heads)."""
+  plt = _pyplot()
+  layers, heads = distances.shape
+  figure, axis = plt.subplots(figsize=(4.2, 3.2))
+  for head in range(heads):
+    axis.scatter(np.arange(1, layers + 1), distances[:, head], s=12,
+                 label=f"head {head + 1}")
+  axis.set_xlabel("network depth (layer)")
+  axis.set_ylabel("mean attention distance (pixels)")
+  axis.set_ylim(0, image_size)
+  axis.set_xticks(range(1, layers + 1))
+  if heads <= 16:
+    axis.legend(fontsize=6, ncol=2)
+  axis.set_title(f"{image_size} px images", fontsize=8)
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+  plt.close(figure)
+  return path

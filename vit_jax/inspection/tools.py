@@ -26,6 +26,7 @@ import numpy as np
 from vit_jax import config as config_lib
 from vit_jax.checkpoints import pretrained
 from vit_jax.data import augment, datasets
+from vit_jax.inspection import figure7 as figure7_lib
 from vit_jax.inspection import introspect, plots, reports
 from vit_jax.model import variants
 from vit_jax.runtime import sharding
@@ -173,6 +174,34 @@ def attention_figure(trained: TrainedModel, images: np.ndarray, path: str,
     heads = range(trained.model.num_heads)
   maps, map_titles = attention_maps(trained, images, heads, layer)
   return plots.attention_grid(images, maps, map_titles, path, titles)
+
+
+def figure7(config: ml_collections.ConfigDict, trained: TrainedModel,
+            out_dir: str, num_images: int = 64) -> tuple[str, str]:
+  """The paper's Figure 7 for `trained`: position-embedding similarity and
+  the mean attention distance per head and layer over the first
+  `num_images` test images. Returns the two PNG paths in out_dir."""
+  embeddings = figure7_lib.patch_position_embeddings(
+      trained.params, trained.model, trained.grid)
+  similarity = plots.position_similarity(
+      figure7_lib.position_embedding_similarity(embeddings, trained.grid),
+      os.path.join(out_dir, "position_embedding_similarity.png"))
+  dataset = datasets.load(config)
+  images, _ = dataset.test_examples(np.arange(min(num_images,
+                                                  dataset.num_test)))
+  if images.shape[1:] != tuple(trained.image_shape):
+    images = np.asarray(jnp.round(augment.resize(
+        jnp.asarray(images), trained.image_shape[0])).astype(jnp.uint8))
+  inputs = augment.normalize(jnp.asarray(images), trained.mean, trained.std)
+  weights = introspect.attention_weights(trained.model, trained.params,
+                                         inputs)
+  distances = figure7_lib.mean_attention_distance(
+      weights, trained.grid, trained.model.patch_size,
+      trained.num_prefix_tokens)
+  distance = plots.attention_distance(
+      distances, os.path.join(out_dir, "mean_attention_distance.png"),
+      trained.image_shape[0])
+  return similarity, distance
 
 
 def curves(workdir: str, path: str) -> str:
