@@ -123,16 +123,15 @@ def test_finetune_folder_config_from_an_official_layout_checkpoint(tmp_path):
   folder = write_folder(tmp_path / "photos", sizes=((80, 60), (50, 70)))
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
   common = [f"--config.init_from={npz}", f"--config.dataset={folder}",
-            "--config.model.name=ViT-Ti/16", "--config.model.hidden_size=192",
-            "--config.model.num_heads=3", "--config.model.mlp_dim=768",
-            "--config.model.num_layers=12", "--config.batch_size=8",
-            "--config.accum_steps=2", "--config.num_train_steps=2",
+            "--config.batch_size=8",
+            "--config.accum_steps=2", "--config.num_train_steps=3",
             "--config.warmup_steps=1", "--config.eval_batch_size=8",
             "--config.image_size=64"]
-  for mode in ("", ":linear_probe"):
-    workdir = str(tmp_path / f"run{mode.strip(':')}")
+  for mode in ("", ",linear_probe"):
+    workdir = str(tmp_path / f"run{mode.strip(',')}")
     result = run_python(
-        "main.py", f"--config=configs/vit_finetune_folder.py{mode}", *common,
+        "main.py", f"--config=configs/vit_finetune_folder.py:ViT-Ti/16{mode}",
+        *common,
         f"--workdir={workdir}", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "parameters loaded" in result.stdout

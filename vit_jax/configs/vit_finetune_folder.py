@@ -5,6 +5,7 @@ r"""Fine-tune a pretrained ViT on your own folder of photos.
 
   python main.py --config=configs/vit_finetune_folder.py:linear_probe \
       --config.dataset=/path/to/photos --config.init_from=/path/to/ViT-B_16.npz
+  python main.py --config=configs/vit_finetune_folder.py:ViT-S/16,linear_probe ...
 
 The folder is the ImageNet / torchvision ImageFolder layout:
 photos/train/<class>/*.jpg and photos/test/<class>/* (or val/); without a
@@ -13,10 +14,10 @@ JPEG, PNG, WebP, BMP or GIF works; class names are the folder names and
 appear in the report and predict modes. init_from takes an official or
 AugReg `.npz` (imagenet21k/ViT-B_16.npz, augreg/...npz), a vit_jax workdir,
 or a torchvision / timm / Hugging Face file (.pth, .bin, .safetensors);
-set config.model to the checkpoint's architecture (--config.model.name
-and friends, or edit get_config's variant) and config.normalization to
-how it was trained ("inception" for official/big_vision, "imagenet" for
-torchvision/timm).
+name the checkpoint's architecture after the colon (`:ViT-S/16`, default
+ViT-B/16; any name of vit_jax.model.variants) and set
+config.normalization to how it was trained ("inception" for
+official/big_vision, "imagenet" for torchvision/timm).
 
 The recipe is the paper's fine-tuning (Dosovitskiy et al., 2020, App.
 B.1.1): SGD with momentum 0.9, no weight decay, gradient clipping at norm
@@ -42,11 +43,15 @@ real fine-tuning belongs on an accelerator.
 from vit_jax import config as config_lib
 
 
-def get_config(mode: str = "finetune"):
-  if mode not in ("finetune", "linear_probe"):
-    raise ValueError(f"configs/vit_finetune_folder.py:{mode}: choose "
-                     "finetune or linear_probe.")
-  config = config_lib.base_config("ViT-B/16")
+def get_config(arg: str = "ViT-B/16"):
+  """arg: "[VARIANT][,linear_probe]", e.g. "ViT-S/16,linear_probe"."""
+  parts = [part for part in arg.split(",") if part]
+  mode = "linear_probe" if "linear_probe" in parts else "finetune"
+  names = [part for part in parts if part not in ("finetune", "linear_probe")]
+  if len(names) > 1:
+    raise ValueError(f"configs/vit_finetune_folder.py:{arg}: give one "
+                     "variant, e.g. ViT-S/16,linear_probe.")
+  config = config_lib.base_config(names[0] if names else "ViT-B/16")
   config.dataset = "/path/to/photos"  # pass the real folder on the command line
   config.init_from = "ViT-B_16.npz"  # and the real checkpoint
   config.posemb_resize = "bilinear"
