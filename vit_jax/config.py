@@ -42,7 +42,8 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   config.data_dir = config_dict.placeholder(str)  # TFDS data_dir
   config.manual_dir = config_dict.placeholder(str)  # TFDS manual_dir
   config.tfds_download = True  # let TFDS download and prepare when missing
-  config.max_train_examples = config_dict.placeholder(int)  # take a slice
+  # Use only the first N examples (folders, TFDS: a fixed random N).
+  config.max_train_examples = config_dict.placeholder(int)
   config.max_eval_examples = config_dict.placeholder(int)
   # Folders and TFDS datasets: decoded at image_size (224 if unset) with
   # `channels` (None: 3); "auto" holds them in memory when that takes at

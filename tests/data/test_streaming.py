@@ -199,3 +199,14 @@ def test_tfds_names_that_cannot_work_fail_clearly(tmp_path, name, message):
   config.dataset = name
   with pytest.raises((ValueError, FileNotFoundError), match=message):
     file_sources.open_dataset(config)
+
+
+def test_max_examples_of_a_folder_sample_every_class(folder):
+  dataset = datasets.load(_config(folder, max_train_examples=12,
+                                  max_eval_examples=6))
+  assert (dataset.num_train, dataset.num_test) == (12, 6)
+  labels = [dataset.train.read(i)[1] for i in range(12)]
+  assert set(labels) == {0, 1, 2}  # not the first class's files only
+  again = datasets.load(_config(folder, max_train_examples=12))
+  assert [again.train.read(i)[2] for i in range(12)] == [
+      dataset.train.read(i)[2] for i in range(12)]

@@ -60,17 +60,22 @@ class TfdsExamples:
             f"{self.split}[{index}]")
 
 
-@dataclasses.dataclass(frozen=True)
 class Subset:
-  """The first `count` examples of `examples` (config.max_*_examples)."""
-  examples: Any
-  count: int
+  """`count` examples of `examples` (config.max_*_examples), drawn
+  uniformly with a fixed generator and kept in their order: a folder lists
+  its files class by class, so its first `count` would be a few classes."""
+
+  def __init__(self, examples: Any, count: int):
+    self.examples = examples
+    total = len(examples)
+    self.indices = (np.arange(total) if count >= total else np.sort(
+        np.random.default_rng(0x5B5E7).permutation(total)[:count]))
 
   def __len__(self) -> int:
-    return min(self.count, len(self.examples))
+    return len(self.indices)
 
   def read(self, index: int) -> tuple[Any, int, str]:
-    return self.examples.read(index)
+    return self.examples.read(int(self.indices[index]))
 
 
 @dataclasses.dataclass(frozen=True)
