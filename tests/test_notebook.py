@@ -47,9 +47,11 @@ def test_notebook_runs_from_a_clean_state(tmp_path, fashion_mnist_dir,
   seconds = time.perf_counter() - start
   summary = _summary(notebook)
   print(f"notebook ran in {seconds:.0f} s: {summary}")
-  # Two minutes of training on 2 cores: ~75-80%; a broken pipeline or
-  # model stays near 10%.
-  assert summary["test_accuracy"] > 0.6
-  assert -1.0 <= summary["distant_similarity"] <= 1.0
+  # Three minutes of training on 2 quiet cores: ~75-80% (fewer steps fit
+  # when the suite's other worker competes); a broken pipeline or model
+  # stays near 10%.
+  assert summary["test_accuracy"] > 0.5
+  # Position embeddings start random; training makes neighbours alike.
+  assert summary["neighbour_similarity"] > summary["distant_similarity"] + 0.1
   if "timm_max_abs_logit_diff" in summary:
     assert summary["timm_max_abs_logit_diff"] < 1e-4
