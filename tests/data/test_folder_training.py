@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -144,3 +145,41 @@ def test_finetune_folder_config_from_an_official_layout_checkpoint(tmp_path):
                             start[embedding[0]][embedding[1]])
   np.testing.assert_array_equal(probed[embedding[0]][embedding[1]],
                                 start[embedding[0]][embedding[1]])
+
+
+def _children(pid: int) -> list[int]:
+  found = []
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        with open(f"/proc/{entry}/status") as f:
+          if f"PPid:\t{pid}\n" in f.read():
+            found.append(int(entry))
+      except OSError:
+        pass
+  return found
+
+
+def test_decoding_workers_exit_when_the_trainer_is_killed(tmp_path):
+  """SIGKILL runs no clean-up in the trainer; its workers must notice and
+  exit rather than live on, orphaned, holding memory."""
+  folder = write_folder(tmp_path / "photos")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  process = subprocess.Popen(
+      [sys.executable, "main.py", *FLAGS, f"--config.dataset={folder}",
+       "--config.num_train_steps=100000", f"--workdir={tmp_path / 'run'}"],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+      text=True)
+  try:
+    for line in process.stdout:
+      if line.startswith("Compiled and ran"):
+        break
+    workers = _children(process.pid)
+    assert workers, "no decoding worker process found"
+  finally:
+    process.kill()
+    process.wait(timeout=60)
+  deadline = time.monotonic() + 20
+  while any(os.path.exists(f"/proc/{w}") for w in workers):
+    assert time.monotonic() < deadline, f"workers {workers} outlived it"
+    time.sleep(0.2)

@@ -98,7 +98,7 @@ class StreamingDataset:
       iterable = iterable.mp_prefetch(
           grain.MultiprocessingOptions(num_workers=self.workers,
                                        per_worker_buffer_size=2),
-          worker_init_fn=_lower_priority)
+          worker_init_fn=examples_lib.init_worker)
     return iter(iterable)
 
   def train_batches(self, batch_size: int, seed: int, start_step: int,
@@ -177,18 +177,6 @@ class StreamingDataset:
     pixels = np.concatenate(pixels).astype(np.float64)
     return (pixels.mean(0).astype(np.float32),
             np.maximum(pixels.std(0), 1.0).astype(np.float32))
-
-
-def _lower_priority(worker_index: int, worker_count: int) -> None:
-  """Runs a decoding worker at the lowest CPU priority (Linux SCHED_IDLE,
-  else nice 19): it then decodes in the gaps the train step leaves (its
-  serial parts, dispatch) instead of stalling the step's threads, each of
-  which the others wait for."""
-  del worker_index, worker_count
-  try:
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-  except (AttributeError, OSError):
-    os.nice(19)
 
 
 class SkipCounter:
