@@ -30,7 +30,7 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   config.seed = 0
 
   # Data. `dataset` is cifar10, cifar100, mnist, fashion_mnist, synthetic
-  # (these four held in memory), a folder of images (root/train/<class>/*,
+  # (these five held in memory), a folder of images (root/train/<class>/*,
   # root/test/<class>/* or val/), or any TFDS image-classification name
   # (imagenette, oxford_iiit_pet, food101, imagenet2012, ...); see
   # vit_jax/data/file_sources.py.

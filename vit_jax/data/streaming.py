@@ -90,8 +90,9 @@ class StreamingDataset:
     iterable = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0))
     # Batches travel through the workers' pipe, not shared memory: grain
     # frees shared memory lazily, and a run's last prefetched batches were
-    # reported as "leaked shared_memory objects" at exit. A 224 px batch of
-    # 256 (38 MB) crosses the pipe in ~30 ms, beside a step of seconds.
+    # reported as "leaked shared_memory objects" at exit. The copy is cheap
+    # beside a CPU step (a 224 px batch of 256 is 38 MB); on a fast
+    # accelerator it is a cost to measure before relying on it.
     iterable = grain.experimental.WithOptionsIterDataset(
         iterable, grain.experimental.DatasetOptions(min_shm_size=2**62))
     if self.workers > 0:

@@ -142,6 +142,19 @@ def attention_maps(trained: TrainedModel, images: np.ndarray,
   return maps, titles
 
 
+def _test_images(config: ml_collections.ConfigDict, trained: TrainedModel,
+                 count: int) -> tuple[np.ndarray, np.ndarray]:
+  """(uint8 images at the model's input size, labels) of the first `count`
+  test examples."""
+  dataset = datasets.load(config)
+  images, labels = dataset.test_examples(
+      np.arange(min(count, dataset.num_test)))
+  if images.shape[1:] != tuple(trained.image_shape):
+    images = np.asarray(jnp.round(augment.resize(
+        jnp.asarray(images), trained.image_shape[0])).astype(jnp.uint8))
+  return images, labels
+
+
 def attention_inputs(config: ml_collections.ConfigDict,
                      trained: TrainedModel, paths: Sequence[str],
                      num_images: int) -> tuple[np.ndarray, list[str]]:
@@ -152,12 +165,7 @@ def attention_inputs(config: ml_collections.ConfigDict,
                        for p in paths])
     captions = [os.path.basename(p) for p in paths]
   else:
-    dataset = datasets.load(config)
-    images, labels = dataset.test_examples(
-        np.arange(min(num_images, dataset.num_test)))
-    if images.shape[1:] != tuple(trained.image_shape):
-      images = np.asarray(jnp.round(augment.resize(
-          jnp.asarray(images), trained.image_shape[0])).astype(jnp.uint8))
+    images, labels = _test_images(config, trained, num_images)
     captions = [f"true: {trained.class_names[label]}" for label in labels]
   predicted = np.asarray(trained.logits(images)).argmax(axis=1)
   return images, [f"{caption}\npredicted: {trained.class_names[p]}"
@@ -186,12 +194,7 @@ def figure7(config: ml_collections.ConfigDict, trained: TrainedModel,
   similarity = plots.position_similarity(
       figure7_lib.position_embedding_similarity(embeddings, trained.grid),
       os.path.join(out_dir, "position_embedding_similarity.png"))
-  dataset = datasets.load(config)
-  images, _ = dataset.test_examples(np.arange(min(num_images,
-                                                  dataset.num_test)))
-  if images.shape[1:] != tuple(trained.image_shape):
-    images = np.asarray(jnp.round(augment.resize(
-        jnp.asarray(images), trained.image_shape[0])).astype(jnp.uint8))
+  images, _ = _test_images(config, trained, num_images)
   inputs = augment.normalize(jnp.asarray(images), trained.mean, trained.std)
   weights = introspect.attention_weights(trained.model, trained.params,
                                          inputs)
