@@ -12,7 +12,9 @@ once, then measures in this process:
      --workers count;
   2. memory: resident memory of this process (JAX started, no model yet)
      and its worker while streaming folders of 2,000 and --rss_files small
-     (64x48) files: it must not grow with the file count.
+     (64x48) files: it must not grow with the file count. This file
+     imports JAX only inside functions, as vit_jax/cli.py does, so the
+     worker's figure is what a worker of the command line costs.
   3. feed: the ViT-Ti/16 @224 train step fed from the folder (one worker)
      against the same images decoded beforehand and fed from memory, the
      two interleaved over --rounds; folder_over_memory near 1.0 means the
@@ -28,15 +30,12 @@ import statistics
 import time
 
 from absl import app, flags, logging
-import jax
 import numpy as np
 from PIL import Image
 
-from vit_jax import config as config_lib
-from vit_jax.data import examples, image_folder, input_pipeline, streaming
-from vit_jax.model import variants
-from vit_jax.runtime import host, sharding
-from vit_jax.training import optim, steps
+# JAX and the trainer are imported in main(), not here: grain's workers
+# start with `spawn`, which imports this file again in each of them, and
+# the memory figure should be what a worker of the command line costs.
 
 _NUM_IMAGES = flags.DEFINE_integer("num_images", 1024, "JPEGs to decode.")
 _WORKERS = flags.DEFINE_list("workers", ["1", "2"], "Worker counts.")
@@ -91,6 +90,7 @@ def write_folder(root: str, count: int, size=(500, 375), quality=90,
 
 
 def _stream(root: str, workers: int, size: int = 224):
+  from vit_jax.data import examples, image_folder, streaming  # pylint: disable=g-import-not-at-top
   folder = image_folder.scan(root, holdout_fraction=0.01)
   files = examples.FolderExamples(folder.train.paths, folder.train.labels)
   return streaming.StreamingDataset(
@@ -101,8 +101,9 @@ def _stream(root: str, workers: int, size: int = 224):
 
 def decode_rate(root: str, workers: int, mesh) -> float:
   """Images/s of the training pipeline alone (after its first batch)."""
+  import jax  # pylint: disable=g-import-not-at-top
   dataset = _stream(root, workers)
-  batch = 64
+  batch = min(64, dataset.num_train) // jax.device_count() * jax.device_count()
   batches = dataset.train_batches(batch, 0, 0, mesh, prefetch=0)
   jax.block_until_ready(next(batches))  # workers started, first batch
   count = max(2, dataset.num_train // batch - 1)
@@ -143,6 +144,7 @@ def _rss_mib(pid: int) -> tuple[float, float]:
 def streaming_rss(root: str, mesh, batches: int = 20
                   ) -> tuple[float, float]:
   """Peak (this process, its workers) resident MiB while streaming."""
+  import jax  # pylint: disable=g-import-not-at-top
   dataset = _stream(root, workers=1, size=64)
   stream = dataset.train_batches(64, 0, 0, mesh)
   peak = (0.0, 0.0)
@@ -155,6 +157,12 @@ def streaming_rss(root: str, mesh, batches: int = 20
 
 def feed_ratio(root: str, mesh) -> tuple[float, float]:
   """(folder images/s, memory images/s) of the ViT-Ti/16 @224 step."""
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from vit_jax import config as config_lib
+  from vit_jax.data import examples, input_pipeline
+  from vit_jax.model import variants
+  from vit_jax.training import optim, steps
   config = config_lib.base_config("ViT-Ti/16")
   stream = _stream(root, workers=1)
   model = variants.build_model(config.model, NUM_CLASSES)
@@ -216,6 +224,7 @@ def main(_):
                         _NUM_IMAGES.value)
   print(f"{_NUM_IMAGES.value} ImageNet-like JPEGs in {photos} "
         f"({time.perf_counter() - tick:.0f} s to make or find)")
+  from vit_jax.runtime import sharding  # pylint: disable=g-import-not-at-top
   mesh = sharding.make_mesh()
   per_worker = {}
   for workers in (int(w) for w in _WORKERS.value):
@@ -243,6 +252,7 @@ def main(_):
 
 
 if __name__ == "__main__":
+  from vit_jax.runtime import host  # no JAX  # pylint: disable=g-import-not-at-top
   host.default_xla_flags()
   host.reexec_with_fast_malloc()
   app.run(main)

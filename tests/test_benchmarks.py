@@ -351,3 +351,24 @@ def test_throughput_benchmark_names_the_cpu_and_its_isa():
   flags = set(re.findall(r"^(?:flags|Features)\s*:(.*)$", cpuinfo,
                          re.M)[0].split())
   assert isa and set(isa) <= flags
+
+
+@pytest.mark.slow
+def test_input_benchmark_prints_its_summary(tmp_path):
+  """benchmarks/input_throughput.py at toy sizes: every part runs and the
+  summary line parses; the worker's memory is a light process's (the
+  script keeps JAX out of its top level, as the command line does)."""
+  result = run_python(
+      "benchmarks/input_throughput.py", "--num_images=48", "--workers=1",
+      "--rss_files=300", "--batch_size=8", "--steps=1", "--rounds=1",
+      f"--cache_dir={tmp_path}", timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.strip().splitlines()
+  summary = re.fullmatch(r"summary: decode_images_per_s_per_worker=([\d.]+) "
+                         r"folder_over_memory=([\d.]+) rss_mib=(\d+)",
+                         lines[-1])
+  assert summary, lines[-1]
+  assert float(summary.group(1)) > 0 and 0.2 < float(summary.group(2)) < 5
+  worker_mib = [float(line.split("its worker ")[1].rstrip(")"))
+                for line in lines if "its worker" in line]
+  assert worker_mib and max(worker_mib) < 450, lines
