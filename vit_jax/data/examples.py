@@ -126,6 +126,10 @@ class Transform:
         rng=rng if self.random_crop else None, min_area=self.min_area,
         crop_fraction=self.crop_fraction)
 
+  def blank(self) -> np.ndarray:
+    """A black image of the output shape: padding, or a failed decode."""
+    return np.zeros((self.size, self.size, self.channels), np.uint8)
+
   def _from_array(self, array: np.ndarray, rng) -> np.ndarray:
     if array.ndim == 2:
       array = array[:, :, None]
@@ -181,15 +185,13 @@ class TrainElement:
         return _element(image, label, True, bad="\n".join(bad))
       except image_decode.BadImageError as e:
         if not self.skip_bad:
-          return _element(self._blank(), 0, False, error=str(e))
+          return _element(self.transform.blank(), 0, False, error=str(e))
         bad.append(str(e))
-    return _element(self._blank(), 0, False, bad="\n".join(bad), error=(
-        f"{_MAX_SUBSTITUTES} consecutive examples from {index} are "
-        "unreadable; is this folder images at all?"))
+    message = (f"{_MAX_SUBSTITUTES} consecutive examples from {index} are "
+               "unreadable; is this folder images at all?")
+    return _element(self.transform.blank(), 0, False, bad="\n".join(bad),
+                    error=message)
 
-  def _blank(self) -> np.ndarray:
-    size = self.transform.size
-    return np.zeros((size, size, self.transform.channels), np.uint8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,8 +210,7 @@ class EvalElement:
     batch, row = divmod(int(position), self.per_process)
     index = (batch * self.global_batch + self.process_index * self.per_process
              + row)
-    size, channels = self.transform.size, self.transform.channels
-    blank = np.zeros((size, size, channels), np.uint8)
+    blank = self.transform.blank()
     if index >= len(self.examples):
       return _element(blank, 0, False)
     try:
