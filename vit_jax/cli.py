@@ -5,9 +5,9 @@
   python -m vit_jax train --config=configs/vit_tiny_cifar.py
   python main.py --config=configs/vit_tiny_cifar.py [--mode=MODE]
 
---config takes a file path, or the name of a config shipped in the package
-(vit_jax/configs/NAME.py, listed by `vit-jax --help`), with an optional
-`:ARG` for configs that take one. The first word, if it is a mode, is
+--config takes a file path, or the name of a config shipped in the
+package (vit_jax/configs/NAME.py; a name that is not there lists them),
+with an optional `:ARG` for configs that take one. The first word, if it is a mode, is
 --mode. Any config key can be overridden on the command line; running the
 same command again resumes from the latest checkpoint in --workdir.
 
