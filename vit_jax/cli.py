@@ -7,9 +7,10 @@
 
 --config takes a file path, or the name of a config shipped in the
 package (vit_jax/configs/NAME.py; a name that is not there lists them),
-with an optional `:ARG` for configs that take one. The first word, if it is a mode, is
---mode. Any config key can be overridden on the command line; running the
-same command again resumes from the latest checkpoint in --workdir.
+with an optional `:ARG` for configs that take one. The first word, if it
+is a mode, is --mode. Any config key can be overridden on the command
+line; running the same command again resumes from the latest checkpoint
+in --workdir.
 
 Several processes (hosts) run the same command, each with
 --coordinator_address=HOST:PORT --num_processes=N --process_id=I, or with
