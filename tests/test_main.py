@@ -216,3 +216,11 @@ def test_mode_word_and_shipped_config_name(tmp_path, launcher):
                       f"--workdir={tmp_path}", timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "85,806,346" in result.stdout  # ViT-B/16, 10 classes
+
+
+def test_help_describes_the_modes_and_configs():
+  result = run_python("-m", "vit_jax", "--help", timeout=120)
+  # absl ends --help with exit status 1.
+  assert "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert "figure7|predict" in result.stdout
+  assert "--config takes a file path" in result.stdout

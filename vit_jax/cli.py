@@ -1,7 +1,7 @@
 """The command line: `vit-jax`, `python -m vit_jax` and `python main.py`.
 
   vit-jax train --config=vit_tiny_fashion_mnist [--config.KEY=VALUE ...]
-  vit-jax summary|curves|report|attention|predict --config=NAME ...
+  vit-jax summary|curves|report|attention|figure7|predict --config=NAME ...
   python -m vit_jax train --config=configs/vit_tiny_cifar.py
   python main.py --config=configs/vit_tiny_cifar.py [--mode=MODE]
 
@@ -239,5 +239,8 @@ def main(argv: list[str] | None = None) -> None:
   host.reexec_with_fast_malloc()  # may restart the process, same arguments
   host.default_xla_flags()
   argv = resolve_arguments(sys.argv if argv is None else argv)
+  # absl's --help prints the main module's docstring: the console script
+  # has none, so every launcher shows this module's.
+  sys.modules["__main__"].__doc__ = __doc__
   flags.mark_flags_as_required(["config"])
   app.run(_run, argv=argv, flags_parser=_parse_flags)
