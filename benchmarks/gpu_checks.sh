@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu_checks.sh tests OUT_DIR   # pytest -m gpu, then the
 #                                                 # Fashion-MNIST run (~6 min)
-#   bash benchmarks/gpu_checks.sh bench OUT_DIR   # gpu_throughput.py with a
+#   bash benchmarks/gpu_checks.sh bench OUT_DIR   # dispatch.py, then
+#                                                 # gpu_throughput.py with a
 #                                                 # profile (~7 min)
 #
 # Logs go to OUT_DIR. FASHION_MNIST_DIR (default Debian's
@@ -49,6 +50,7 @@ case "$part" in
     cp /tmp/fashion_mnist_gpu/metrics.jsonl "$out/fashion_mnist_gpu_metrics.jsonl"
     ;;
   bench)
+    python3 benchmarks/dispatch.py 2>&1 | tee "$out/dispatch.txt"
     python3 benchmarks/gpu_throughput.py --profile=/tmp/vit_jax_profile \
       2>&1 | tee "$out/gpu_throughput.txt"
     find /tmp/vit_jax_profile -name '*perfetto_trace*' \

@@ -73,7 +73,7 @@ def _plan(tmp_path, config, tuning=None):
   """budget.plan on made-up timings: 0.1 s a step, a 2 s evaluation every
   40 steps, free saves, nothing elapsed or compiled."""
   return budget.plan(
-      config, str(tmp_path), done=21, step_ends=list(np.arange(21) * 0.1),
+      config, str(tmp_path), done=21, step_ends=[(0.1 * step, step) for step in range(21)],
       first_step_seconds=0.0, elapsed_seconds=0.0,
       measured=budget.Measurements(0.0, 2.0, 0.0, *(tuning or ())),
       steps_per_epoch=4, upper_bound=10**6)

@@ -109,10 +109,14 @@ def predicted_seconds(total: int, *, elapsed_seconds: float, done: int,
 
 
 def plan_total_steps(*, budget_seconds: float, upper_bound: int,
-                     **measured) -> int:
+                     steps_per_dispatch: int = 1, **measured) -> int:
   """The largest step count N (done + tuning_steps < N <= upper_bound)
   whose predicted_seconds(N, **measured) fits the budget less
-  SAFETY_FRACTION; done + tuning_steps + 1 if none does."""
+  SAFETY_FRACTION; done + tuning_steps + 1 if none does. Where one fits,
+  N - tuning_steps is made a multiple of steps_per_dispatch if that leaves
+  N in range, so that the masked steps end with a whole dispatch and the
+  run needs no single step compiled for its end (loop.steps_in_dispatch).
+  """
   available = budget_seconds * (1.0 - SAFETY_FRACTION)
   fits = lambda total: predicted_seconds(total, **measured) <= available
   # The prediction grows with N, so bisect for the last N that fits.
@@ -120,17 +124,20 @@ def plan_total_steps(*, budget_seconds: float, upper_bound: int,
   high = max(upper_bound, low)
   if not fits(low):
     return low
+  least = low
   while low < high:
     middle = (low + high + 1) // 2
     if fits(middle):
       low = middle
     else:
       high = middle - 1
-  return low
+  aligned = low - (low - measured.get("tuning_steps", 0)) % steps_per_dispatch
+  return aligned if aligned >= least else low
 
 
 def revised_total_steps(*, total: int, recompile_seconds: float,
                         budget_seconds: float, upper_bound: int,
+                        steps_per_dispatch: int = 1,
                         **measured) -> Optional[int]:
   """A new step count for a run planned to `total`, or None to keep it.
 
@@ -148,6 +155,7 @@ def revised_total_steps(*, total: int, recompile_seconds: float,
   """
   fitting = plan_total_steps(budget_seconds=budget_seconds,
                              upper_bound=upper_bound,
+                             steps_per_dispatch=steps_per_dispatch,
                              fixed_seconds=recompile_seconds, **measured)
   overruns = predicted_seconds(total, fixed_seconds=0.0,
                                **measured) > budget_seconds
@@ -228,15 +236,16 @@ class Measurements(NamedTuple):
 
 
 def plan(config: ml_collections.ConfigDict, workdir: str, *, done: int,
-         step_ends: list[float], first_step_seconds: float,
+         step_ends: list[tuple[float, int]], first_step_seconds: float,
          elapsed_seconds: float, measured: Measurements,
          steps_per_epoch: int, upper_bound: int) -> dict:
   """Plans, saves and logs the number of steps that fit the budget; returns
   the plan (its "total_steps" is the number of steps).
 
-  step_ends: the times at which the steps since the first one returned;
-  their median interval is the step time, so an evaluation or a save
-  between two steps does not count. first_step_seconds: compilation and
+  step_ends: (time, step) at which the dispatches since the first one
+  returned (a dispatch runs config.steps_per_dispatch steps, or one); the
+  median of their intervals per step is the step time, so an evaluation or
+  a save between two dispatches does not count. first_step_seconds: compilation and
   first step, paid again for the new schedule (the train step only: the
   eval step takes params, not the optimizer). elapsed_seconds: the run's
   time before `measured` was measured. Every process trains to process 0's
@@ -245,7 +254,8 @@ def plan(config: ml_collections.ConfigDict, workdir: str, *, done: int,
   x measured.tuning_step: the plan fits the masked steps in the time they
   leave.
   """
-  step_seconds = float(np.median(np.diff(step_ends)))
+  times, steps = np.transpose(step_ends)
+  step_seconds = float(np.median(np.diff(times) / np.diff(steps)))
   eval_compile_seconds, eval_seconds = (measured.eval_compile,
                                         measured.evaluation)
   save_seconds = measured.save
@@ -266,7 +276,7 @@ def plan(config: ml_collections.ConfigDict, workdir: str, *, done: int,
       save_seconds=save_seconds,
       save_every_steps=config.checkpoint_every_steps,
       tuning_steps=tuning_steps, tuning_seconds=tuning_seconds,
-      upper_bound=upper_bound)
+      upper_bound=upper_bound, steps_per_dispatch=config.steps_per_dispatch)
   planned = int(multihost_utils.broadcast_one_to_all(np.int32(planned)))
   the_plan = dict(
       total_steps=planned, epochs=round(planned / steps_per_epoch, 3),
@@ -315,7 +325,7 @@ def revise(config: ml_collections.ConfigDict, workdir: str, plan: dict, *,
         save_every_steps=config.checkpoint_every_steps,
         tuning_steps=tuning_steps,
         tuning_seconds=plan.get("unmasked_tuning_seconds", 0.0),
-        upper_bound=upper_bound)
+        upper_bound=upper_bound, steps_per_dispatch=config.steps_per_dispatch)
     revised = -1 if revised is None else revised
   revised = int(multihost_utils.broadcast_one_to_all(np.int32(revised)))
   if revised < 0:

@@ -14,7 +14,19 @@ import jax
 import ml_collections
 import numpy as np
 
-from vit_jax.training import budget
+from vit_jax.training import budget, progress
+
+
+def _plan_step(start_step: int, steps_per_dispatch: int) -> int:
+  """The step after which a run from start_step makes its plan: at a
+  dispatch's end (a multiple of steps_per_dispatch), once MEASURED_STEPS
+  steps follow the first (which compiles) and enough dispatches for the
+  median interval to be the steps' pace: the first MAX_STEPS_IN_FLIGHT
+  after the compiling one return at once, filling the device's queue."""
+  round_up = lambda step: -(-step // steps_per_dispatch) * steps_per_dispatch
+  timed_dispatches = 2 * progress.MAX_STEPS_IN_FLIGHT + 2
+  return max(round_up(start_step + 1 + budget.MEASURED_STEPS),
+             round_up(start_step) + (1 + timed_dispatches) * steps_per_dispatch)
 
 
 class BudgetTracker:
@@ -34,10 +46,11 @@ class BudgetTracker:
     self._upper_bound = upper_bound
     self.plan = plan
     # The step after which to make a plan; None: no plan to make or check.
-    self.plan_after = (start_step + 1 + budget.MEASURED_STEPS
-                       if config.time_budget_minutes and plan is None
-                       else None)
-    self._step_ends: list[float] = []  # when the steps before the plan ended
+    self.plan_after = (
+        _plan_step(start_step, config.steps_per_dispatch)
+        if config.time_budget_minutes and plan is None else None)
+    # (time, step) at which the dispatches before the plan returned.
+    self._step_ends: list[tuple[float, int]] = []
     self.first_step_seconds: Optional[float] = None  # compile + first step
     # After a plan or a check the steps are timed from (time, step, paused
     # seconds) at the first step that follows, so that a recompilation
@@ -48,12 +61,12 @@ class BudgetTracker:
 
   def step_done(self, done: int, total_steps: int, metrics, paused: float
                 ) -> bool:
-    """Records step `done` (its metrics still on device); True when the
-    plan is due now."""
+    """Records that the steps up to `done` were dispatched (their metrics
+    still on device); True when the plan is due now."""
     if self.plan_after is None:
       return False
     if done <= self.plan_after:
-      self._step_ends.append(time.perf_counter())
+      self._step_ends.append((time.perf_counter(), done))
       return done == self.plan_after and done < total_steps
     if self._mark is None and done < total_steps:
       jax.block_until_ready(metrics)  # time from this step's end

@@ -4,12 +4,16 @@
   for each step of the plan: train, log, evaluate, save
   a final evaluation if the run trained nothing
 
+Steps go to the device one at a time, or config.steps_per_dispatch at a
+time between the steps the loop acts after (dispatch.py).
+
 The pure, jit-compiled steps are `steps.py`'s; this module does the I/O
 around them. The pieces with state of their own are small objects:
 `progress.Clock` (wall time and pauses), `progress.TrainMetrics` (metrics
 between log lines, the throughput), `budget_tracker.BudgetTracker`
-(measurements in, a plan out) and `Phase` (the train step being run:
-masked, then the unmasked tuning).
+(measurements in, a plan out) and `dispatch.Phase` (the train step being
+run, for one step and for a dispatch of several: masked, then the unmasked
+tuning).
 """
 
 import dataclasses
@@ -29,8 +33,8 @@ from vit_jax.checkpoints import orbax_checkpoints, pretrained
 from vit_jax.data import augment, datasets
 from vit_jax.model import options, variants, vit
 from vit_jax.runtime import host, preemption, sharding
-from vit_jax.training import (budget, budget_tracker, metric_writer, optim,
-                              progress, steps)
+from vit_jax.training import (budget, budget_tracker, dispatch, metric_writer,
+                              optim, progress, steps)
 
 log = metric_writer.log
 
@@ -51,15 +55,20 @@ class Run:
   writer: metric_writer.MetricWriter
   eval_fn: Callable[..., dict]
 
-  def compile_train_step(self, state: steps.TrainState,
-                         learning_rate_fn: optax.Schedule,
-                         ema_start_step: int = 0):
-    """The train step of `state` as it is: its layout, model, optimizer."""
-    return steps.compile_train_step(
-        self.mesh, steps.shardings_of(state), learning_rate_fn,
-        **config_lib.train_step_options(
-            self.config, self.mean, self.std, self.flip, ema_start_step,
-            crops_on_host=self.dataset.crops_on_host))
+  def make_phase(self, state: steps.TrainState,
+                 learning_rate_fn: optax.Schedule, ema_start_step: int = 0,
+                 unmasked: bool = False) -> dispatch.Phase:
+    """The train step of `state` as it is (its layout, model, optimizer),
+    for one step and for config.steps_per_dispatch steps at a time."""
+    args = (self.mesh, steps.shardings_of(state), learning_rate_fn)
+    options = config_lib.train_step_options(
+        self.config, self.mean, self.std, self.flip, ema_start_step,
+        crops_on_host=self.dataset.crops_on_host)
+    per_dispatch = self.config.steps_per_dispatch
+    return dispatch.Phase(
+        steps.compile_train_step(*args, **options),
+        steps.compile_train_steps(*args, per_dispatch, **options)
+        if per_dispatch > 1 else None, unmasked=unmasked)
 
   @property
   def unmasked_model(self) -> vit.VisionTransformer:
@@ -76,14 +85,6 @@ class Run:
                            batch_size, self.mesh)
       metrics.update(ema_loss=ema["loss"], ema_accuracy=ema["accuracy"])
     return metrics
-
-
-@dataclasses.dataclass
-class Phase:
-  """The train step being run: its compiled function and whether it is the
-  unmasked tuning (every patch, after a run with patch dropout)."""
-  train_fn: Callable[..., Any]
-  unmasked: bool = False
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
@@ -218,42 +219,47 @@ def _train(run: Run, state: steps.TrainState, start_step: int,
       start_step=start_step)
   bar = progress.ProgressBar(status, batch_size=config.batch_size,
                              start_step=start_step, clock=clock)
-  phase = Phase(run.compile_train_step(state, learning_rate_fn))
+  phase = run.make_phase(state, learning_rate_fn)
   batches = run.dataset.train_batches(config.batch_size, config.seed,
                                       start_step, run.mesh)
   best_accuracy = orbax_checkpoints.best_accuracy(run.workdir)  # before writes
   eval_metrics = {}
   step = start_step
   while step < total_steps:  # a time budget may change total_steps
-    tuning_began = None
     if (spec.tuning_steps and not phase.unmasked
         and step >= total_steps - spec.tuning_steps):
-      tuning_began = time.perf_counter()
       meter.flush(step, run.writer)
       state, phase = _start_unmasked_tuning(run, state, step, total_steps,
                                             learning_rate_fn)
-    batch = next(batches)
-    state, metrics = phase.train_fn(state, *batch)
+    count = dispatch.steps_in_dispatch(
+        step, total_steps, config.steps_per_dispatch,
+        dispatch.loop_acts_after(config, spec, phase, total_steps,
+                                 tracker.plan_after))
+    batch = [next(batches) for _ in range(count)]
+    began = time.perf_counter()
+    state, metrics, compiled = phase.run(state, batch)
     meter.add(metrics)
-    done = step + 1
-    if tuning_began is not None:  # its compilation, out of the throughput
-      jax.block_until_ready(metrics)
-      seconds = time.perf_counter() - tuning_began
-      clock.add_pause(seconds)
-      log(f"Compiled and ran the first step of the unmasked tuning in "
-          f"{seconds:.1f} s.")
+    done = step + count
+    what = (f"{count} train steps in one dispatch" if count > 1 else
+            "train step") + (" of the unmasked tuning" if phase.unmasked
+                             else "")
     if step == start_step:  # keep compilation out of the throughput figure
       jax.block_until_ready(metrics)
       tracker.first_step_seconds = meter.seconds_since_timer()
-      log(f"Compiled and ran the first train step in "
+      log(f"Compiled and ran the first {what} in "
           f"{tracker.first_step_seconds:.1f} s.")
       meter.restart_timer(done)
       bar.restart(done)
+    elif compiled:  # a new phase's or dispatch size's: out of the throughput
+      jax.block_until_ready(metrics)
+      seconds = time.perf_counter() - began
+      clock.add_pause(seconds)
+      log(f"Compiled and ran the first {what} in {seconds:.1f} s.")
     if tracker.step_done(done, total_steps, metrics, clock.paused):
       elapsed = clock.elapsed()
       with clock.pause():
         plan = tracker.make_plan(done, elapsed, _measure_for_plan(
-            run, state, batch, done, meter, learning_rate_fn))
+            run, state, batch[-1], done, meter, learning_rate_fn))
         total_steps, learning_rate_fn, state, phase = _follow_plan(
             run, state, plan)
     if done % config.log_every_steps == 0 or done == total_steps:
@@ -298,18 +304,18 @@ def _train(run: Run, state: steps.TrainState, start_step: int,
 
 
 def _start_unmasked_tuning(run: Run, state, step: int, total_steps: int,
-                           learning_rate_fn) -> tuple[Any, Phase]:
+                           learning_rate_fn) -> tuple[Any, dispatch.Phase]:
   """The state and phase that train on every patch after step `step`. The
   EMA restarts its ramp where the tuning starts, so that it averages the
   tuned params, not the run."""
   state = state.replace(apply_fn=run.unmasked_model.apply)
-  train_fn = run.compile_train_step(
-      state, learning_rate_fn,
-      ema_start_step=total_steps - run.spec.tuning_steps)
+  phase = run.make_phase(state, learning_rate_fn,
+                         ema_start_step=total_steps - run.spec.tuning_steps,
+                         unmasked=True)
   log(f"Unmasked tuning: steps {step + 1}-{total_steps} train on all "
       f"{run.spec.num_patches} patches, the learning rate decaying from "
       f"{run.config.unmasked_tuning_learning_rate:g} to 0.")
-  return state, Phase(train_fn, unmasked=True)
+  return state, phase
 
 
 def _follow_plan(run: Run, state, plan: dict):
@@ -320,7 +326,7 @@ def _follow_plan(run: Run, state, plan: dict):
   total_steps, learning_rate_fn = _schedule(run.config, run.spec, plan)
   state = state.replace(tx=optim.make_optimizer(run.config, learning_rate_fn))
   return (total_steps, learning_rate_fn, state,
-          Phase(run.compile_train_step(state, learning_rate_fn)))
+          run.make_phase(state, learning_rate_fn))
 
 
 def _measure_for_plan(run: Run, state, batch, done: int,
@@ -348,7 +354,7 @@ def _measure_for_plan(run: Run, state, batch, done: int,
   copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree),
                  out_shardings=steps.shardings_of(state))(state)
   copy = copy.replace(apply_fn=run.unmasked_model.apply)
-  tuning_fn = run.compile_train_step(copy, learning_rate_fn)
+  tuning_fn = run.make_phase(copy, learning_rate_fn).train_fn
   seconds = []
   for _ in range(1 + budget.MEASURED_TUNING_STEPS):
     tick = time.perf_counter()

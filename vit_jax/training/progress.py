@@ -8,12 +8,11 @@ import time
 from typing import Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from vit_jax.training import metric_writer
 
-# Steps queued on the device before the loop waits for an older one.
+# Dispatches queued on the device before the loop waits for an older one.
 MAX_STEPS_IN_FLIGHT = 2
 
 
@@ -42,9 +41,17 @@ class Clock:
     self.paused += seconds
 
 
+def per_step(pending: list[dict[str, jax.Array]]) -> dict[str, np.ndarray]:
+  """The metrics of `pending` dispatches, each a step's scalars or several
+  steps' stacked, as one host array per metric over the steps in order."""
+  fetched = jax.device_get(pending)
+  return {key: np.concatenate([np.atleast_1d(m[key]) for m in fetched])
+          for key in fetched[0]}
+
+
 def mean_metrics(pending: list[dict[str, jax.Array]]) -> dict[str, float]:
   """Means over the steps; skipped non-finite steps are left out."""
-  stacked = jax.device_get(jax.tree.map(lambda *xs: jnp.stack(xs), *pending))
+  stacked = per_step(pending)
   finite = np.isfinite(stacked["loss"]) & np.isfinite(stacked["grad_norm"])
   if not finite.any():
     return {k: float("nan") for k in stacked}
@@ -54,7 +61,8 @@ def mean_metrics(pending: list[dict[str, jax.Array]]) -> dict[str, float]:
 class TrainMetrics:
   """The metrics of the steps since the last log line, still on device.
 
-  `add` queues a step's metrics and bounds the device's queue; `flush`
+  `add` queues a dispatch's metrics (one step's, or several steps' stacked)
+  and bounds the device's queue; `flush`
   logs their mean, the images per second since the last flush (pauses
   left out) and the epoch; `check_finite` raises on a NaN/Inf loss or
   gradient (or logs it, when such steps are skipped).
@@ -91,12 +99,13 @@ class TrainMetrics:
     steps are skipped (then it logs them). One small transfer."""
     if not self.pending:
       return
-    values = np.asarray(jax.device_get(
-        [(m["loss"], m["grad_norm"]) for m in self.pending]))
+    metrics = per_step([{key: m[key] for key in ("loss", "grad_norm")}
+                        for m in self.pending])
+    values = np.stack([metrics["loss"], metrics["grad_norm"]], axis=1)
     bad = ~np.all(np.isfinite(values), axis=1)
     if not bad.any():
       return
-    bad_steps = step - len(self.pending) + 1 + np.flatnonzero(bad)
+    bad_steps = step - len(values) + 1 + np.flatnonzero(bad)
     what = ("loss" if not np.isfinite(values[bad][0, 0]) else
             "gradient norm")
     value = values[bad][0, 0 if what == "loss" else 1]
