@@ -4,6 +4,7 @@ r"""Training and inference speed of vit_jax against timm and torchvision.
   python benchmarks/throughput.py            # 6-10 minutes on 2 cores
   python benchmarks/throughput.py --growth   # + cost growth, ~15 minutes
   python benchmarks/throughput.py --cpu_devices=0   # vit_jax on one device
+  python benchmarks/throughput.py --max_isa=avx2    # as an AVX2-only CPU
 
 Two models with identical dims in every library, float32 on CPU:
   vit_tiny_cifar   32x32x3, patch 4, width 192, 12 layers, 3 heads, MLP 768
@@ -37,6 +38,12 @@ with
 where *_vs_timm is the worst ratio over the two models of vit_jax to the
 fastest PyTorch variant, train_gemm_fraction the worst training GFLOP/s as a
 fraction of the GEMM rate, compile_s the slower train-step compile.
+--max_isa=avx2 caps every library at AVX2 + FMA on an x86 CPU with more
+(XLA: --xla_cpu_max_isa=AVX2; oneDNN: ONEDNN_MAX_CPU_ISA; PyTorch:
+ATEN_CPU_CAPABILITY; MKL: MKL_ENABLE_INSTRUCTIONS; vit_jax's C++ attention
+kernel: -march=x86-64-v3), to see which kernels an AVX2-only CPU would get;
+its caches, clock and memory are still this CPU's, so it stands in for an
+AVX2-only host only as far as the instructions go.
 torch.compile's first run on a machine compiles cold (up to a minute per
 workload; first runs took 12-17 minutes here); later runs load its cache,
 kept in ~/.cache/vit_jax/torchinductor unless TORCHINDUCTOR_CACHE_DIR is set.
@@ -316,6 +323,12 @@ _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
               "sve", "sve2", "bf16", "i8mm")
 
 
+# What --max_isa=avx2 sets for every worker (and XLA's --xla_cpu_max_isa).
+AVX2_ONLY_ENVIRONMENT = {
+    "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2", "VIT_JAX_KERNEL_MARCH": "x86-64-v3"}
+
+
 def cpu_description() -> tuple[str, list[str]]:
   """The CPU's model name and which of `_ISA_FLAGS` it has (Linux
   /proc/cpuinfo; x86 "flags" or Arm "Features")."""
@@ -357,6 +370,9 @@ def main():
   parser.add_argument("--no-fast_malloc", dest="fast_malloc",
                       action="store_false",
                       help="workers without main.py's malloc settings")
+  parser.add_argument("--max_isa", choices=("native", "avx2"),
+                      default="native",
+                      help="avx2: every library capped at AVX2 + FMA")
   parser.add_argument("--growth", action="store_true",
                       help="also the cost-growth table (~4 more minutes)")
   args = parser.parse_args()
@@ -384,6 +400,10 @@ def main():
   # later runs load.
   env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
       os.path.dirname(host.default_cache_dir()), "torchinductor"))
+  if args.max_isa == "avx2":
+    env.update(AVX2_ONLY_ENVIRONMENT,
+               XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} "
+               "--xla_cpu_max_isa=AVX2".strip())
   started = time.perf_counter()
   loads = [machine_load()]
   gemm = {lib: spawn([f"--impl=gemm-{lib}"], env) for lib in ("torch", "jax")}
@@ -429,9 +449,15 @@ def main():
   print(f"\nCommand: python benchmarks/throughput.py"
         f"{'' if args.fast_malloc else ' --no-fast_malloc'}"
         f"{devices_flag}"
+        f"{' --max_isa=avx2' if args.max_isa == 'avx2' else ''}"
         f"{' --growth' if args.growth else ''}")
   cpu_model, isa = cpu_description()
   print(f"CPU: {cpu_model}, {os.cpu_count()} cores; ISA: {' '.join(isa)}")
+  if args.max_isa == "avx2":
+    cpu_model += " capped at AVX2"
+    print("Every library capped at AVX2 + FMA: " + " ".join(
+        f"{k}={v}" for k, v in AVX2_ONLY_ENVIRONMENT.items()) +
+          " XLA_FLAGS+=--xla_cpu_max_isa=AVX2")
   print(f"GEMM fp32 GFLOP/s, best of 2x10 (2048^3 | 8320x192x768; jax with "
         f"vit_jax's flags): torch "
         f"{gemm['torch']['2048x2048x2048']:.0f} | "

@@ -4,7 +4,10 @@ model taking it, and the build's failures (where "auto" picks it:
 test_attention.py)."""
 
 import os
+import platform
 import re
+import shutil
+import subprocess
 
 import chex
 import jax
@@ -183,3 +186,24 @@ def test_the_build_is_cached_and_failures_name_the_compiler(
     cpu_attention.build(failing.name)
   assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
       [library.name, failing.name])
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not shutil.which(
+    "objdump"), reason="checks x86 instructions with binutils' objdump")
+def test_the_kernel_can_be_built_for_an_older_instruction_set(
+    tmp_path, monkeypatch):
+  """VIT_JAX_KERNEL_MARCH=x86-64-v3 (what throughput.py --max_isa=avx2
+  sets) builds a library of its own with no AVX-512 instruction (no zmm
+  register), whatever this CPU has."""
+  monkeypatch.setenv("VIT_JAX_CACHE_DIR", str(tmp_path))
+  native = cpu_attention.build()
+  monkeypatch.setenv(cpu_attention.MARCH_VARIABLE, "x86-64-v3")
+  avx2 = cpu_attention.build()
+  assert avx2 != native and avx2.exists()
+  disassembly = lambda library: subprocess.run(
+      ["objdump", "-d", str(library)], capture_output=True, text=True,
+      check=True).stdout
+  assert "%ymm" in disassembly(avx2) and "%zmm" not in disassembly(avx2)
+  with open("/proc/cpuinfo") as cpuinfo:
+    if " avx512f " in cpuinfo.read():
+      assert "%zmm" in disassembly(native)

@@ -39,8 +39,13 @@ from jax.extend import core
 from jax.interpreters import batching, mlir
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "attention_cpu.cc"
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17",
-          "-shared", "-fPIC", "-w")
+_FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC",
+          "-w")
+# The instruction set the kernel is compiled for: this CPU's by default;
+# e.g. "x86-64-v3" (AVX2 + FMA) to measure what an AVX2-only CPU would run
+# (benchmarks/throughput.py --max_isa=avx2), or for a cache shared by CPUs
+# of several kinds.
+MARCH_VARIABLE = "VIT_JAX_KERNEL_MARCH"
 _TARGETS = ("VitAttentionForwardForTraining",
             "VitAttentionForwardForInference", "VitAttentionBackward")
 LANES = 16  # the kernel's vector width in floats: head_dim must divide by it
@@ -69,8 +74,9 @@ def build(compiler: Optional[str] = None) -> pathlib.Path:
   if shutil.which(compiler) is None:
     raise RuntimeError(f"no C++ compiler {compiler!r} on PATH (set CXX or "
                        "install g++ or clang++)")
+  flags = (*_FLAGS, f"-march={os.environ.get(MARCH_VARIABLE) or 'native'}")
   key = hashlib.sha256("\0".join(
-      [SOURCE.read_text(), compiler, *_FLAGS, jax.ffi.include_dir(),
+      [SOURCE.read_text(), compiler, *flags, jax.ffi.include_dir(),
        jax.__version__, platform.machine(), _cpu_signature()]).encode()
                       ).hexdigest()[:16]
   library = cache_dir() / f"attention_cpu-{key}.so"
@@ -83,7 +89,7 @@ def build(compiler: Optional[str] = None) -> pathlib.Path:
   os.close(handle)
   try:
     result = subprocess.run(
-        [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
+        [compiler, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
          partial], capture_output=True, text=True, check=False)
     if result.returncode:
       raise RuntimeError(f"{compiler} failed to build {SOURCE.name}:\n"
