@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import run_python
 from vit_jax.kernels import cpu_attention
 from vit_jax.model import vit
 from vit_jax.runtime import sharding
@@ -207,3 +208,21 @@ def test_the_kernel_can_be_built_for_an_older_instruction_set(
   with open("/proc/cpuinfo") as cpuinfo:
     if " avx512f " in cpuinfo.read():
       assert "%zmm" in disassembly(native)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64",
+                    reason="x86 instruction sets")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])
+def test_the_avx2_and_sse_builds_match_the_reference_too(tmp_path, march):
+  """The kernel built for AVX2 (8-float vectors) or SSE (4-float vectors),
+  as on CPUs without AVX-512, passes this file's value and gradient tests
+  (run in a fresh process: a process loads one build)."""
+  result = run_python(
+      "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+      "tests/kernels/test_cpu_attention.py", "-k",
+      "float64_reference or extreme_logits or batch_split or vmap",
+      env={cpu_attention.MARCH_VARIABLE: march,
+           "VIT_JAX_CACHE_DIR": str(tmp_path)})
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+  assert " passed" in result.stdout and "skipped" not in result.stdout
+  assert len(list(tmp_path.glob("attention_cpu-*.so"))) == 1  # its own build

@@ -9,9 +9,10 @@
 //
 // Each (batch, head) pair is one task: its operands (~0.3 MB at 197 tokens)
 // stay in L2 through the two products and the softmax of the forward pass,
-// or the four products and the softmax gradient of the backward pass. The products are register-blocked: a tile of ROWS rows
-// by VECTORS vectors of 16 floats is accumulated in registers over the whole
-// contraction and stored once.
+// or the four products and the softmax gradient of the backward pass. The
+// products are register-blocked: a tile of ROWS rows by VECTORS hardware
+// vectors is accumulated in registers over the whole contraction and stored
+// once.
 
 #include <algorithm>
 #include <atomic>
@@ -29,24 +30,33 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;  // floats per vector (one AVX-512 register)
+// Rows of probabilities and head_dim are multiples of kPad floats (the
+// Python side's LANES). A Vec is one hardware register of kLanes floats,
+// which divides kPad: a vector wider than the registers would be split by
+// the compiler, which then keeps a tile's accumulators on the stack (32x
+// slower with AVX2). Tiles of kMaxRows x kMaxVectors accumulators leave a
+// register for each of the VECTORS loads of B and one for A's broadcast.
+constexpr int kPad = 16;
+#if defined(__AVX512F__)
+constexpr int kLanes = 16, kMaxRows = 6, kMaxVectors = 4;  // 24 of 32 zmm
+#elif defined(__AVX2__)
+constexpr int kLanes = 8, kMaxRows = 6, kMaxVectors = 2;  // 12 of 16 ymm
+#elif defined(__aarch64__)
+constexpr int kLanes = 4, kMaxRows = 6, kMaxVectors = 4;  // 24 of 32 q
+#else
+constexpr int kLanes = 4, kMaxRows = 6, kMaxVectors = 2;  // 12 of 16 xmm
+#endif
+static_assert(kPad % kLanes == 0, "a row of kPad floats is whole vectors");
 typedef float Vec __attribute__((vector_size(kLanes * 4), aligned(4)));
 typedef int32_t IVec __attribute__((vector_size(kLanes * 4), aligned(4)));
-
-#if defined(__AVX512F__)
-constexpr int kMaxRows = 6, kMaxVectors = 4;  // 24 of 32 registers
-#else
-// A Vec is two or four hardware registers here (AVX2 has 16, NEON 32).
-constexpr int kMaxRows = 3, kMaxVectors = 2;
-#endif
 
 inline Vec Load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
 inline void Store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
 inline Vec Splat(float x) { return Vec{} + x; }
 
-int64_t RoundUp(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+int64_t RoundUp(int64_t n) { return (n + kPad - 1) / kPad * kPad; }
 
-// C[r, v*16 .. v*16+15] = sum_k A(r, k) B[k, v*16 ..] for ROWS rows and
+// C[r, v*kLanes ..] = sum_k A(r, k) B[k, v*kLanes ..] for ROWS rows and
 // VECTORS vectors, where A(r, k) = a[r * a_row + k * a_k].
 template <int ROWS, int VECTORS>
 inline void Tile(int64_t depth, const float* a, int64_t a_row, int64_t a_k,
@@ -79,7 +89,7 @@ void RowsOf(int64_t rows, int64_t depth, const float* a, int64_t a_row,
                      ldc);
 }
 
-// C (rows x columns, columns a multiple of 16) = A B, A(r, k) as in Tile,
+// C (rows x columns, columns a multiple of kPad) = A B, A(r, k) as in Tile,
 // B (depth x columns) row major with leading dimension ldb.
 void Product(int64_t rows, int64_t columns, int64_t depth, const float* a,
              int64_t a_row, int64_t a_k, const float* b, int64_t ldb, float* c,
@@ -252,7 +262,7 @@ ffi::Error ShapeOf(const ffi::Buffer<ffi::F32>& q,
                    const ffi::Buffer<ffi::F32>& k, Shape* shape) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || qd[0] != kd[0] || qd[1] != kd[1] ||
-      qd[3] != kd[3] || qd[3] % kLanes != 0)
+      qd[3] != kd[3] || qd[3] % kPad != 0)
     return ffi::Error::InvalidArgument(
         "vit_jax attention kernel: q must be (B, H, Tq, D) and k, v "
         "(B, H, Tk, D) with D a multiple of 16");
