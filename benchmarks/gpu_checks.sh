@@ -20,8 +20,14 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "${WHEELS_DIR:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --target /tmp/vit_jax_site "$WHEELS_DIR"/*.whl || exit 1
+  # One at a time: a folder may hold a package's wheels for several Python
+  # versions (pip download --python-version 3.12 / 3.13 ...); the ones that
+  # do not fit this Python are skipped, the rest installed.
+  for wheel in "$WHEELS_DIR"/*.whl; do
+    python3 -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --target /tmp/vit_jax_site "$wheel" 2>/dev/null ||
+      echo "not for this Python, skipped: $(basename "$wheel")"
+  done
   export PYTHONPATH="$PYTHONPATH:/tmp/vit_jax_site"
 fi
 
