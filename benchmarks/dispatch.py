@@ -15,7 +15,8 @@ what several steps per dispatch save is that host work, which sets the pace
 of a small model on a GPU.
 
 Prints the device, each round's ms per step, and
-  summary: steps_per_dispatch=… single_ms=… multi_ms=… multi_over_single=…
+  summary: steps_per_dispatch=… single_ms=… multi_ms=…
+           multi_over_single=…
 (medians over the rounds; below 1: several steps per dispatch are faster).
 """
 

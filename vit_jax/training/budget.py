@@ -115,7 +115,8 @@ def plan_total_steps(*, budget_seconds: float, upper_bound: int,
   SAFETY_FRACTION; done + tuning_steps + 1 if none does. Where one fits,
   N - tuning_steps is made a multiple of steps_per_dispatch if that leaves
   N in range, so that the masked steps end with a whole dispatch and the
-  run needs no single step compiled for its end (loop.steps_in_dispatch).
+  run needs no single step compiled for its end
+  (dispatch.steps_in_dispatch).
   """
   available = budget_seconds * (1.0 - SAFETY_FRACTION)
   fits = lambda total: predicted_seconds(total, **measured) <= available
@@ -245,14 +246,14 @@ def plan(config: ml_collections.ConfigDict, workdir: str, *, done: int,
   step_ends: (time, step) at which the dispatches since the first one
   returned (a dispatch runs config.steps_per_dispatch steps, or one); the
   median of their intervals per step is the step time, so an evaluation or
-  a save between two dispatches does not count. first_step_seconds: compilation and
-  first step, paid again for the new schedule (the train step only: the
-  eval step takes params, not the optimizer). elapsed_seconds: the run's
-  time before `measured` was measured. Every process trains to process 0's
-  plan. With an unmasked tuning (config.unmasked_tuning_epochs), its
-  steps, a fixed number at the end, cost measured.tuning_compile + steps
-  x measured.tuning_step: the plan fits the masked steps in the time they
-  leave.
+  a save between two dispatches does not count. first_step_seconds:
+  compilation and first step, paid again for the new schedule (the train
+  step only: the eval step takes params, not the optimizer).
+  elapsed_seconds: the run's time before `measured` was measured. Every
+  process trains to process 0's plan. With an unmasked tuning
+  (config.unmasked_tuning_epochs), its steps, a fixed number at the end,
+  cost measured.tuning_compile + steps x measured.tuning_step: the plan
+  fits the masked steps in the time they leave.
   """
   times, steps = np.transpose(step_ends)
   step_seconds = float(np.median(np.diff(times) / np.diff(steps)))

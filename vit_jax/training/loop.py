@@ -240,13 +240,10 @@ def _train(run: Run, state: steps.TrainState, start_step: int,
     state, metrics, compiled = phase.run(state, batch)
     meter.add(metrics)
     done = step + count
-    what = (f"{count} train steps in one dispatch" if count > 1 else
-            "train step") + (" of the unmasked tuning" if phase.unmasked
-                             else "")
     if step == start_step:  # keep compilation out of the throughput figure
       jax.block_until_ready(metrics)
       tracker.first_step_seconds = meter.seconds_since_timer()
-      log(f"Compiled and ran the first {what} in "
+      log(f"Compiled and ran the first {_dispatch_name(count, phase)} in "
           f"{tracker.first_step_seconds:.1f} s.")
       meter.restart_timer(done)
       bar.restart(done)
@@ -254,7 +251,8 @@ def _train(run: Run, state: steps.TrainState, start_step: int,
       jax.block_until_ready(metrics)
       seconds = time.perf_counter() - began
       clock.add_pause(seconds)
-      log(f"Compiled and ran the first {what} in {seconds:.1f} s.")
+      log(f"Compiled and ran the first {_dispatch_name(count, phase)} in "
+          f"{seconds:.1f} s.")
     if tracker.step_done(done, total_steps, metrics, clock.paused):
       elapsed = clock.elapsed()
       with clock.pause():
@@ -301,6 +299,13 @@ def _train(run: Run, state: steps.TrainState, start_step: int,
       raise preemption.Preempted(stop_signal, done, run.manager.directory)
     step = done
   return eval_metrics or run.evaluate(state)  # nothing trained: restored
+
+
+def _dispatch_name(count: int, phase: dispatch.Phase) -> str:
+  """What a dispatch of `count` steps of `phase` is, for the log."""
+  steps_run = (f"{count} train steps in one dispatch" if count > 1
+               else "train step")
+  return steps_run + (" of the unmasked tuning" if phase.unmasked else "")
 
 
 def _start_unmasked_tuning(run: Run, state, step: int, total_steps: int,
