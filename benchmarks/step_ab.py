@@ -57,7 +57,7 @@ from vit_jax.training import optim, steps
 
 OUR_SOFTMAX = attention.softmax
 OUR_KERNEL_GRADIENT = matmuls.kernel_gradient
-# The attention core's two products in vit.MultiHeadSelfAttention.
+# The attention core's two products in self_attention.MultiHeadSelfAttention.
 LOGITS_SPEC, WEIGHTED_SUM_SPEC = "bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"
 
 

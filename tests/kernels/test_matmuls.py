@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from vit_jax.kernels import matmuls
-from vit_jax.model import vit
+from vit_jax.model import blocks
 
 _DENSE = (((1,), (0,)), ((), ()))
 
@@ -111,7 +111,7 @@ def test_mlp_kernel_gradients_have_the_narrow_side_as_rows():
   """In the compiled gradient of an MlpBlock (64 -> 256 -> 64) the first
   kernel's gradient is a (64, 256) product, not JAX's (256, 64) one, and
   the gradients equal those of Dense -> GELU -> Dense."""
-  mlp = vit.MlpBlock(mlp_dim=256)
+  mlp = blocks.MlpBlock(mlp_dim=256)
   x = jax.random.normal(jax.random.PRNGKey(0), (300, 64))
   params = mlp.init(jax.random.PRNGKey(1), x, deterministic=True)
 

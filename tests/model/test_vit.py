@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax import ad_checkpoint
 
-from vit_jax.model import variants, vit
+from vit_jax.model import blocks, encoder, self_attention, variants, vit
 
 
 def _tiny(**overrides):
@@ -359,7 +359,7 @@ def test_mlp_recomputes_its_gelu_for_the_backward_pass(approximate_gelu):
   (tokens, mlp_dim) residual instead of autodiff's several, and XLA's
   compiled scratch memory shrinks accordingly (the recomputation is not
   merged back into the forward pass)."""
-  mlp = vit.MlpBlock(mlp_dim=256, approximate_gelu=approximate_gelu)
+  mlp = blocks.MlpBlock(mlp_dim=256, approximate_gelu=approximate_gelu)
   x = jax.random.normal(jax.random.PRNGKey(1), (2048, 64))
   params = [jax.jit(mlp.init, static_argnames="deterministic")(
       jax.random.PRNGKey(seed), x, deterministic=True)["params"]
@@ -488,7 +488,7 @@ def test_encoder_computes_only_the_output_tokens_in_its_last_block(
   """num_output_tokens=1 (what the class-token model uses) gives the first
   token of the full encoder's output, and the same gradients, while the
   last block's queries, attention output and MLP run for that token only."""
-  encoder = lambda block_mode=mode, **kw: vit.Encoder(
+  make_encoder = lambda block_mode=mode, **kw: encoder.Encoder(
       num_layers=3, num_heads=4, mlp_dim=64, num_prefix_tokens=1,
       locality_attention=locality, **block_mode, **kw)
   tokens = jax.random.normal(jax.random.PRNGKey(0), (2, 17, 32))
@@ -497,8 +497,8 @@ def test_encoder_computes_only_the_output_tokens_in_its_last_block(
   def perturbed_params():
     # The parameters do not depend on the mode: every mode's case reuses
     # this one init program (from the compilation cache).
-    params = encoder({}).init(jax.random.PRNGKey(1), tokens,
-                              deterministic=True)["params"]
+    params = make_encoder({}).init(jax.random.PRNGKey(1), tokens,
+                                   deterministic=True)["params"]
     return jax.tree.map(  # no zero or constant leaf: every path counts
         lambda p: p + 0.1 * jax.random.normal(jax.random.PRNGKey(2),
                                               p.shape), params)
@@ -515,8 +515,9 @@ def test_encoder_computes_only_the_output_tokens_in_its_last_block(
     (_, first), grads = lowered.compile()(params, tokens)
     return first, grads, lowered.cost_analysis()["flops"]
 
-  full_out, full_grads, full_flops = first_token_and_grads(encoder())
-  out, grads, flops = first_token_and_grads(encoder(num_output_tokens=1))
+  full_out, full_grads, full_flops = first_token_and_grads(make_encoder())
+  out, grads, flops = first_token_and_grads(
+      make_encoder(num_output_tokens=1))
   assert out.shape == (2, 1, 32)
   chex.assert_trees_all_close((out, grads), (full_out, full_grads),
                               atol=1e-5)
@@ -598,9 +599,9 @@ def test_scan_blocks_still_captures_per_layer_intermediates():
   variables = _init(model, (1, 8, 8, 3))
   _, captured = model.apply(variables, jnp.ones((2, 8, 8, 3)),
                             mutable="intermediates")
-  encoder = captured["intermediates"]["Transformer"]
-  assert len(encoder["block_outputs"]) == 3
-  attention = encoder["encoderblock_2"]["MultiHeadDotProductAttention_1"]
+  transformer = captured["intermediates"]["Transformer"]
+  assert len(transformer["block_outputs"]) == 3
+  attention = transformer["encoderblock_2"]["MultiHeadDotProductAttention_1"]
   chex.assert_shape(attention["attention_weights"][0], (2, 4, 5, 5))
 
 
@@ -650,7 +651,7 @@ def test_attention_matches_flax_multi_head_attention():
   official checkpoints map onto it), and the same outputs and input
   gradients up to float rounding."""
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 9, 24))
-  ours = vit.MultiHeadSelfAttention(num_heads=3)
+  ours = self_attention.MultiHeadSelfAttention(num_heads=3)
   flax_attention = nn.MultiHeadDotProductAttention(
       num_heads=3, kernel_init=nn.initializers.xavier_uniform())
   params = ours.init(jax.random.PRNGKey(0), x, deterministic=True)

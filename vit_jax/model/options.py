@@ -1,10 +1,10 @@
-"""Options beyond the paper, for training on small data, which `vit.py`
+"""Options beyond the paper, for training on small data, which the model
 composes in: stochastic depth (`drop_path`), fixed 2-D sin-cos position
 embeddings (`sincos_2d_posemb`), patch dropout (`kept_patches`,
 `patches`) and Shifted Patch Tokenization (`embed_shifted_patches`). The
 model's docstring (`vit.VisionTransformer`) says what each option does;
-Locality Self-Attention lives in `vit.MultiHeadSelfAttention`, where its
-two lines act.
+Locality Self-Attention lives in `self_attention.MultiHeadSelfAttention`,
+where its two lines act.
 """
 
 from typing import Any, Optional

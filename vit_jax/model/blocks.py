@@ -1,0 +1,117 @@
+"""The encoder block (pre-LN attention and MLP, Eq. 2-3 of Dosovitskiy et
+al., 2020) and its MLP."""
+
+import functools
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from vit_jax.kernels import matmuls
+from vit_jax.kernels.matmuls import per_token
+from vit_jax.model import options
+from vit_jax.model.self_attention import MultiHeadSelfAttention
+
+Dtype = Any
+
+
+def _split(key: Optional[jax.Array], num: int) -> list[Optional[jax.Array]]:
+  """num keys from `key` for a module's dropout sites; all None (each site
+  then draws from the "dropout" stream) without one."""
+  return [None] * num if key is None else list(jax.random.split(key, num))
+
+
+class MlpBlock(nn.Module):
+  """Dense -> GELU -> dropout -> Dense -> dropout. (..., D) -> (..., D).
+
+  Without dropout between them (rate 0, or at evaluation) the GELU runs
+  inside the second Dense's `matmuls.gelu_dot_general`, which recomputes
+  it in the backward pass instead of storing it: the same values, less
+  memory.
+  """
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  approximate_gelu: bool = True
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, *, deterministic: bool,
+               dropout_key: Optional[jax.Array] = None) -> jax.Array:
+    out_dim = x.shape[-1]
+    hidden_key, out_key = _split(dropout_key, 2)
+    dense = lambda features, name, dot_general=matmuls.dense_dot_general: (
+        nn.Dense(features, dtype=self.dtype, param_dtype=self.param_dtype,
+                 kernel_init=nn.initializers.xavier_uniform(),
+                 bias_init=nn.initializers.normal(stddev=1e-6),
+                 dot_general=dot_general, name=name))
+    x = dense(self.mlp_dim, "Dense_0")(x)
+    if deterministic or self.dropout_rate == 0.0:
+      x = dense(out_dim, "Dense_1", matmuls.gelu_dot_general(
+          self.approximate_gelu))(x)
+    else:
+      x = nn.gelu(x, approximate=self.approximate_gelu)
+      x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic,
+                                        rng=hidden_key)
+      x = dense(out_dim, "Dense_1")(x)
+    return nn.Dropout(self.dropout_rate)(x, deterministic=deterministic,
+                                         rng=out_key)
+
+
+class Encoder1DBlock(nn.Module):
+  """Pre-LN transformer block. (B, T, D) -> (B, T, D).
+
+  With num_query_tokens=n it returns only the first n tokens, (B, n, D),
+  and computes nothing for the others beyond their keys and values.
+  drop_path_uniforms (2, B), if given, are the [0, 1) draws that decide
+  the drop path of the attention and the MLP branch (see `drop_path`).
+  """
+  num_heads: int
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  drop_path_rate: float | jax.Array = 0.0
+  locality_attention: bool = False
+  attention_implementation: str = "auto"
+  approximate_gelu: bool = True
+  layer_norm_epsilon: float = 1e-6
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, *, deterministic: bool,
+               num_query_tokens: Optional[int] = None,
+               drop_path_uniforms: Optional[jax.Array] = None,
+               dropout_key: Optional[jax.Array] = None) -> jax.Array:
+    uniforms = ((None, None) if drop_path_uniforms is None
+                else tuple(drop_path_uniforms))
+    attention_key, residual_key, mlp_key = _split(dropout_key, 3)
+    norm = lambda name: nn.LayerNorm(
+        epsilon=self.layer_norm_epsilon, dtype=self.dtype,
+        param_dtype=self.param_dtype, name=name)
+    y = per_token(norm("LayerNorm_0"), x)
+    y = MultiHeadSelfAttention(
+        num_heads=self.num_heads,
+        attention_dropout_rate=self.attention_dropout_rate,
+        locality=self.locality_attention,
+        implementation=self.attention_implementation,
+        dtype=self.dtype, param_dtype=self.param_dtype,
+        name="MultiHeadDotProductAttention_1")(
+            y, deterministic=deterministic, num_query_tokens=num_query_tokens,
+            dropout_key=attention_key)
+    if num_query_tokens is not None:
+      x = x[:, :num_query_tokens]
+    y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic,
+                                      rng=residual_key)
+    x = x + options.drop_path(self, y, self.drop_path_rate, deterministic,
+                              uniforms[0])
+
+    y = per_token(norm("LayerNorm_2"), x)
+    y = per_token(functools.partial(MlpBlock(
+        mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
+        approximate_gelu=self.approximate_gelu, dtype=self.dtype,
+        param_dtype=self.param_dtype, name="MlpBlock_3"),
+        deterministic=deterministic, dropout_key=mlp_key), y)
+    return x + options.drop_path(self, y, self.drop_path_rate, deterministic,
+                                 uniforms[1])

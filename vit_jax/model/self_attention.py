@@ -1,0 +1,153 @@
+"""Multi-head self-attention, the paper's attention sub-layer (Eq. 2 of
+Dosovitskiy et al., 2020), with the official checkpoints' parameter layout.
+
+The projections run as one matmul; the attention core runs as the einsums
+here or as a fused kernel from `vit_jax.kernels` (`implementation`).
+"""
+
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from vit_jax.kernels import attention, cpu_attention, matmuls
+from vit_jax.kernels.matmuls import per_token
+from vit_jax.model.options import ViTInputError
+
+Dtype = Any
+
+
+class HeadsProjection(nn.Module):
+  """The parameters of attention's query, key or value projection, as
+  `nn.DenseGeneral((heads, head_dim))` lays them out and initialises them
+  (kernel (D, heads, head_dim), Xavier-uniform over its (D, heads *
+  head_dim) matrix; bias (heads, head_dim), zeros): returned, not applied,
+  as a (D, heads * head_dim) kernel and a flat bias, so that the
+  projections can run as one matmul."""
+  num_heads: int
+  head_dim: int
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, hidden_size: int) -> tuple[jax.Array, jax.Array]:
+    width = self.num_heads * self.head_dim
+    kernel = self.param(
+        "kernel", lambda key, shape, dtype: nn.initializers.xavier_uniform()(
+            key, (hidden_size, width), dtype).reshape(shape),
+        (hidden_size, self.num_heads, self.head_dim), self.param_dtype)
+    bias = self.param("bias", nn.initializers.zeros,
+                      (self.num_heads, self.head_dim), self.param_dtype)
+    return kernel.reshape(hidden_size, width), bias.reshape(width)
+
+
+class MultiHeadSelfAttention(nn.Module):
+  """Multi-head dot-product self-attention. (B, T, D) -> (B, T, D).
+
+  With num_query_tokens=n only the first n tokens query (attending to all
+  T): (B, T, D) -> (B, n, D).
+
+  Same parameter layout as `flax.linen.MultiHeadDotProductAttention` (and the
+  official checkpoints): query/key/value kernels (D, heads, D/heads), out
+  kernel (heads, D/heads, D). Softmax runs in float32 whatever `dtype` is, so
+  bfloat16 compute stays stable. The attention probabilities
+  (B, heads, T, T) are sown into the `intermediates` collection as
+  `attention_weights` when that collection is mutable, and cost nothing
+  otherwise. `implementation` picks the kernel of the attention core (see
+  `vit_jax.kernels.attention`: "auto" is cuDNN's flash attention on a
+  recent CUDA GPU in bfloat16/float16, the einsums below elsewhere).
+
+  With `locality=True` it is the Locality Self-Attention of Lee et al. 2021
+  ("Vision Transformer for Small-Size Datasets"): the logits are divided by
+  a learned temperature (parameter `temperature`, initialised to
+  sqrt(head_dim), so training starts where plain attention does) and each
+  token may not attend to itself, which sharpens attention towards other
+  tokens on small data.
+  """
+  num_heads: int
+  attention_dropout_rate: float = 0.0
+  locality: bool = False
+  implementation: str = "auto"
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, *, deterministic: bool,
+               num_query_tokens: Optional[int] = None,
+               dropout_key: Optional[jax.Array] = None) -> jax.Array:
+    hidden_size = x.shape[-1]
+    if hidden_size % self.num_heads:
+      raise ViTInputError(
+          f"hidden_size {hidden_size} is not divisible by num_heads "
+          f"{self.num_heads}; choose num_heads that divides it.")
+    head_dim = hidden_size // self.num_heads
+    projections = {name: HeadsProjection(self.num_heads, head_dim,
+                                         self.param_dtype, name=name)(
+                                             hidden_size)
+                   for name in ("query", "key", "value")}
+
+    fused = attention.fused_implementation(
+        self.implementation, self.dtype, head_dim,
+        capturing=self.is_mutable_collection("intermediates"),
+        dropout=bool(self.attention_dropout_rate) and not deterministic,
+        locality=self.locality,
+        sequence_lengths=(num_query_tokens or x.shape[1], x.shape[1]))
+
+    def project(inputs, names):
+      """(B, T, D) -> a (B, heads, T, head_dim) per name for the einsums,
+      (B, T, heads, head_dim) for the fused kernels, from one matmul:
+      (B*T, D) @ (D, 3*D) runs faster on XLA:CPU than three of (D, D).
+
+      Heads first for the einsums: XLA:CPU then runs both products as
+      plain batched matmuls. From the token-major layout it computed the
+      weighted sum as V^T P^T, at half the rate of Q K^T (ViT-Ti/16 @224
+      inference 5.6% slower; docs/performance.md, *Heads first*). One
+      transpose for all names, not a split and one per name: 1.8-3.7%
+      faster vit_tiny_cifar training steps."""
+      kernel = jnp.concatenate([projections[n][0] for n in names], axis=1)
+      bias = jnp.concatenate([projections[n][1] for n in names])
+      inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias,
+                                                     dtype=self.dtype)
+      outputs = per_token(lambda tokens: matmuls.dense_dot_general(
+          tokens, kernel, (((1,), (0,)), ((), ()))) + bias, inputs)
+      outputs = outputs.reshape(*outputs.shape[:2], len(names),
+                                self.num_heads, head_dim)
+      token_major = fused in ("xla", "cudnn")
+      order = (2, 0, 1, 3, 4) if token_major else (2, 0, 3, 1, 4)
+      return list(jnp.transpose(outputs, order))
+
+    if num_query_tokens is None:
+      query, key, value = project(x, ("query", "key", "value"))
+    else:  # only the first num_query_tokens tokens query
+      (query,) = project(x[:, :num_query_tokens], ("query",))
+      key, value = project(x, ("key", "value"))
+    output = nn.DenseGeneral(
+        hidden_size, axis=(-2, -1), dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        kernel_init=nn.initializers.xavier_uniform(),
+        dot_general=matmuls.dense_dot_general, name="out")
+
+    if fused == "cpu_kernel":
+      attended = cpu_attention.attention_core(
+          query / jnp.sqrt(head_dim).astype(self.dtype), key, value)
+      return per_token(output, jnp.swapaxes(attended, 1, 2))
+    if fused is not None:
+      return per_token(output, jax.nn.dot_product_attention(
+          query, key, value, scale=head_dim ** -0.5, implementation=fused))
+
+    temperature = (self.param("temperature",
+                              nn.initializers.constant(head_dim ** 0.5), (),
+                              self.param_dtype)
+                   if self.locality else jnp.sqrt(head_dim))
+    query = query / temperature.astype(self.dtype)
+    logits = jnp.einsum("bhqd,bhkd->bhqk", query, key).astype(jnp.float32)
+    if self.locality:  # a token does not attend to itself
+      logits = jnp.where(jnp.eye(*logits.shape[-2:], dtype=bool),
+                         jnp.finfo(jnp.float32).min, logits)
+    weights = attention.softmax(logits)
+    self.sow("intermediates", "attention_weights", weights)
+    weights = nn.Dropout(self.attention_dropout_rate)(
+        weights, deterministic=deterministic, rng=dropout_key
+    ).astype(self.dtype)
+    attended = jnp.einsum("bhqk,bhkd->bhqd", weights, value)
+    return per_token(output, jnp.swapaxes(attended, 1, 2))
