@@ -5,6 +5,7 @@ r"""Training and inference speed of vit_jax against timm and torchvision.
   python benchmarks/throughput.py --growth   # + cost growth, ~15 minutes
   python benchmarks/throughput.py --cpu_devices=0   # vit_jax on one device
   python benchmarks/throughput.py --max_isa=avx2    # as an AVX2-only CPU
+  python benchmarks/throughput.py --matmul_dtype=bfloat16   # bf16 products
 
 Two models with identical dims in every library, float32 on CPU:
   vit_tiny_cifar   32x32x3, patch 4, width 192, 12 layers, 3 heads, MLP 768
@@ -44,6 +45,11 @@ ATEN_CPU_CAPABILITY; MKL: MKL_ENABLE_INSTRUCTIONS; vit_jax's C++ attention
 kernel: -march=x86-64-v3), to see which kernels an AVX2-only CPU would get;
 its caches, clock and memory are still this CPU's, so it stands in for an
 AVX2-only host only as far as the instructions go.
+--matmul_dtype=bfloat16 races mixed precision against mixed precision:
+vit_jax with config.model.matmul_dtype=bfloat16 (the encoder's products
+read bfloat16 operands and accumulate float32) against PyTorch under
+torch.autocast("cpu", torch.bfloat16); "% GEMM" is then of PyTorch's
+bfloat16 GEMM rate, and the summary's cpu="…" says so.
 torch.compile's first run on a machine compiles cold (up to a minute per
 workload; first runs took 12-17 minutes here); later runs load its cache,
 kept in ~/.cache/vit_jax/torchinductor unless TORCHINDUCTOR_CACHE_DIR is set.
@@ -69,6 +75,13 @@ MODELS = {
 DIMS = dict(hidden_size=192, num_layers=12, num_heads=3, mlp_dim=768)
 TORCH_IMPLS = ("timm", "timm+compile", "torchvision", "torchvision+compile")
 NUM_CLASSES = 10
+# --matmul_dtype reaches every worker through this variable.
+MATMUL_DTYPE_VARIABLE = "VIT_JAX_BENCH_MATMUL_DTYPE"
+
+
+def bench_matmul_dtype():
+  """None (float32) or "bfloat16": what --matmul_dtype asked for."""
+  return os.environ.get(MATMUL_DTYPE_VARIABLE) or None
 # The three products of every Dense layer in a train step: forward x.W,
 # input gradient dy.W^T, weight gradient x^T.dy. At ViT-Ti's widths XLA:CPU
 # runs the weight gradient ~20% below the other two. Here it is a jitted
@@ -108,7 +121,7 @@ def preprocess(images, key):
   return (images.astype(np.float32) - 127.5) / 64.0
 
 
-def jit_train_step():
+def jit_train_step(compiler_options=None):
   """vit_jax's real train step as the benchmark runs it: AdamW's learning
   rate fixed, no label smoothing, the state donated."""
   import functools  # pylint: disable=import-outside-toplevel
@@ -116,7 +129,8 @@ def jit_train_step():
   from vit_jax.training import steps  # pylint: disable=import-outside-toplevel
   return jax.jit(functools.partial(
       steps.train_step, preprocess=preprocess, label_smoothing=0.0,
-      learning_rate_fn=lambda step: 1e-3), donate_argnums=0)
+      learning_rate_fn=lambda step: 1e-3), donate_argnums=0,
+                 compiler_options=compiler_options)
 
 
 def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
@@ -125,6 +139,7 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
   import jax
   import jax.numpy as jnp
   from vit_jax.inspection import introspect
+  from vit_jax.kernels import matmuls
   from vit_jax.model import vit
   from vit_jax.runtime import sharding
   from vit_jax.training import optim, steps
@@ -133,8 +148,10 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
   size, patch = image_size or size, patch_size or patch
   batch = worker_batch(model_name, mode, batch)
   dims = dict(DIMS, num_layers=num_layers or DIMS["num_layers"])
+  matmul_dtype = bench_matmul_dtype()
+  options = matmuls.xla_compiler_options(matmul_dtype)
   model = vit.VisionTransformer(num_classes=NUM_CLASSES, patch_size=patch,
-                                   **dims)
+                                matmul_dtype=matmul_dtype, **dims)
   rng = np.random.default_rng(0)
   mesh = sharding.make_mesh()  # one device unless --cpu_devices splits
   images, labels = jax.device_put(
@@ -152,11 +169,12 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
 
   start = time.perf_counter()
   if mode == "train":
-    step = jit_train_step()
+    step = jit_train_step(options)
     lowered = step.trace(state, images, labels).lower()
   else:
     step = jax.jit(lambda params, images: model.apply(
-        {"params": params}, preprocess(images, None)))
+        {"params": params}, preprocess(images, None)),
+                   compiler_options=options)
     lowered = step.trace(params, images).lower()
   trace_s = time.perf_counter() - start  # Python tracing and lowering
   compiled = lowered.compile()
@@ -186,7 +204,8 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
           "compile_s": compile_s, "trace_s": trace_s,
           "peak_rss_mib": _peak_rss_mib(),
           "xla_temp_mib": memory.temp_size_in_bytes / 2**20 if memory else 0,
-          "xla_flags": os.environ.get("XLA_FLAGS", "")}
+          "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          "matmul_dtype": matmul_dtype or "float32"}
 
 
 def torch_worker(impl: str, model_name: str, mode: str, steps: int) -> dict:
@@ -211,15 +230,19 @@ def torch_worker(impl: str, model_name: str, mode: str, steps: int) -> dict:
   labels = torch.randint(0, NUM_CLASSES, (batch,))
   forward = torch.compile(model) if impl.endswith("+compile") else model
   optimizer = torch.optim.AdamW(model.parameters(), 1e-3, weight_decay=0.05)
+  # PyTorch's mixed precision: autocast's bfloat16 ops, float32 params.
+  autocast = lambda: torch.autocast(
+      "cpu", dtype=torch.bfloat16, enabled=bench_matmul_dtype() is not None)
 
   def run():
     if mode == "train":
       optimizer.zero_grad(set_to_none=True)
-      loss = torch.nn.functional.cross_entropy(forward(images), labels)
+      with autocast():
+        loss = torch.nn.functional.cross_entropy(forward(images), labels)
       loss.backward()
       optimizer.step()
     else:
-      with torch.inference_mode():
+      with torch.inference_mode(), autocast():
         forward(images)
 
   if mode != "train":
@@ -258,10 +281,32 @@ def dense_product_fn(library: str, product: str):
           "x^T.dy": lambda a, b: a.T @ b}[product]
 
 
+def _bf16_gemm_rate(library: str, size: int) -> float:
+  """GFLOP/s of a size^3 product of bfloat16 operands as the library's
+  mixed precision runs it: jax accumulating float32 with vit_jax's
+  compiler options, torch as autocast does (bfloat16 result)."""
+  a = np.random.rand(size, size).astype(np.float32)
+  if library == "jax":
+    import jax
+    import jax.numpy as jnp
+    from vit_jax.kernels import matmuls
+    fn = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32),
+                 compiler_options=matmuls.xla_compiler_options(jnp.bfloat16))
+    a = jnp.asarray(a, jnp.bfloat16)
+    run = lambda: fn(a, a).block_until_ready()
+  else:
+    import torch
+    a = torch.from_numpy(a).bfloat16()
+    run = lambda: a @ a
+  run()
+  return 2 * size ** 3 / min(_time_steps(run, 1) for _ in range(10)) / 1e9
+
+
 def gemm_worker(library: str) -> dict:
   """fp32 GEMM rates, GFLOP/s: 2048^3, the MLP's (8320x192)@(192x768), and
   each Dense product at ViT-Ti's widths (keys "x.W 6304x192x576" and so
-  on)."""
+  on); with --matmul_dtype=bfloat16 also "bf16 2048x2048x2048"."""
+  rates = {}
   if library == "jax":
     import jax
     put, finish = jax.device_put, lambda result: result.block_until_ready()
@@ -270,9 +315,10 @@ def gemm_worker(library: str) -> dict:
     put, finish = torch.from_numpy, lambda result: result
   cases = [("x.W", 2048, 2048, 2048, "2048x2048x2048"),
            ("x.W", 8320, 192, 768, "8320x192x768")]
+  if bench_matmul_dtype():
+    rates["bf16 2048x2048x2048"] = _bf16_gemm_rate(library, 2048)
   cases += [(product, DENSE_ROWS, k, n, f"{product} {DENSE_ROWS}x{k}x{n}")
             for k, n in DENSE_SHAPES for product in DENSE_PRODUCTS]
-  rates = {}
   for product, m, k, n, key in cases:
     lhs, rhs, _ = dense_product_operands(product, m, k, n)
     a = put(np.random.rand(*lhs).astype(np.float32))
@@ -373,6 +419,10 @@ def main():
   parser.add_argument("--max_isa", choices=("native", "avx2"),
                       default="native",
                       help="avx2: every library capped at AVX2 + FMA")
+  parser.add_argument("--matmul_dtype", choices=("float32", "bfloat16"),
+                      default="float32",
+                      help="bfloat16: vit_jax's bfloat16 products against "
+                      "PyTorch's CPU autocast")
   parser.add_argument("--growth", action="store_true",
                       help="also the cost-growth table (~4 more minutes)")
   args = parser.parse_args()
@@ -404,6 +454,8 @@ def main():
     env.update(AVX2_ONLY_ENVIRONMENT,
                XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} "
                "--xla_cpu_max_isa=AVX2".strip())
+  env[MATMUL_DTYPE_VARIABLE] = (args.matmul_dtype
+                                if args.matmul_dtype != "float32" else "")
   started = time.perf_counter()
   loads = [machine_load()]
   gemm = {lib: spawn([f"--impl=gemm-{lib}"], env) for lib in ("torch", "jax")}
@@ -434,6 +486,8 @@ def main():
     gemm[lib] = {shape: max(value, again[shape])
                  for shape, value in gemm[lib].items()}
   gemm_rate = gemm["torch"]["2048x2048x2048"]
+  if args.matmul_dtype == "bfloat16":  # the fraction of the bf16 rate
+    gemm_rate = gemm["torch"]["bf16 2048x2048x2048"]
 
   rate = lambda key: statistics.mean(r["images_per_s"] for r in results[key])
 
@@ -450,6 +504,7 @@ def main():
         f"{'' if args.fast_malloc else ' --no-fast_malloc'}"
         f"{devices_flag}"
         f"{' --max_isa=avx2' if args.max_isa == 'avx2' else ''}"
+        f"{' --matmul_dtype=bfloat16' if args.matmul_dtype == 'bfloat16' else ''}"
         f"{' --growth' if args.growth else ''}")
   cpu_model, isa = cpu_description()
   print(f"CPU: {cpu_model}, {os.cpu_count()} cores; ISA: {' '.join(isa)}")
@@ -458,6 +513,11 @@ def main():
     print("Every library capped at AVX2 + FMA: " + " ".join(
         f"{k}={v}" for k, v in AVX2_ONLY_ENVIRONMENT.items()) +
           " XLA_FLAGS+=--xla_cpu_max_isa=AVX2")
+  if args.matmul_dtype == "bfloat16":
+    cpu_model += ", bfloat16 products vs torch autocast"
+    print(f"GEMM bf16 GFLOP/s, 2048^3 (the % GEMM column's): torch "
+          f"{gemm['torch']['bf16 2048x2048x2048']:.0f}, jax "
+          f"{gemm['jax']['bf16 2048x2048x2048']:.0f}")
   print(f"GEMM fp32 GFLOP/s, best of 2x10 (2048^3 | 8320x192x768; jax with "
         f"vit_jax's flags): torch "
         f"{gemm['torch']['2048x2048x2048']:.0f} | "

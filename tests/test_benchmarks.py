@@ -53,22 +53,26 @@ def _forward_flops_of_the_tiny_worker() -> int:
               + 2 * width * mlp + 2 * tokens * width)
 
 
-@pytest.mark.parametrize("cpu_devices", [0, 2])
-def test_throughput_worker_measures_the_real_train_step(cpu_devices):
+@pytest.mark.parametrize("cpu_devices,matmul_dtype",
+                         [(0, ""), (2, ""), (2, "bfloat16")])
+def test_throughput_worker_measures_the_real_train_step(cpu_devices,
+                                                        matmul_dtype):
   """One vit_jax worker of benchmarks/throughput.py, on a tiny image: the
   FLOP count is XLA's for the real train step (all devices' shares) and sits
   between the forward (2 x multiply-adds) and a generous 4x of it plus the
-  optimizer's update."""
+  optimizer's update; the same with bfloat16 products (--matmul_dtype)."""
+  env = {"XLA_FLAGS": ""} if cpu_devices else dict(ONE_DEVICE)
+  env["VIT_JAX_BENCH_MATMUL_DTYPE"] = matmul_dtype
   measured = json.loads(_run(
       "benchmarks/throughput.py", "--worker", "--impl=vit_jax",
       "--mode=train", "--image_size=8", "--patch_size=4", "--batch=4",
       "--num_layers=1", "--steps=1", f"--cpu_devices={cpu_devices}",
-      env={"XLA_FLAGS": ""} if cpu_devices else ONE_DEVICE,
-      timeout=300)[-1])
+      env=env, timeout=300)[-1])
   if cpu_devices:
     assert (f"--xla_force_host_platform_device_count={cpu_devices}"
             in measured["xla_flags"])
   assert measured["images_per_s"] > 0
+  assert measured["matmul_dtype"] == (matmul_dtype or "float32")
   assert 0 < measured["trace_s"] < measured["compile_s"]  # trace, then XLA
   assert measured["peak_rss_mib"] > 0
   assert "--xla_cpu_experimental_ynn_fusion_type=" in measured["xla_flags"]

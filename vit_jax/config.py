@@ -334,6 +334,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(
         f"config.model.classifier={model.classifier!r} is not supported; "
         f"choose one of {vit.CLASSIFIERS}.")
+  if model.matmul_dtype not in (None, "bfloat16"):
+    raise ValueError(
+        f"config.model.matmul_dtype={model.matmul_dtype!r} is not supported: "
+        "set 'bfloat16' (bfloat16 operands, float32 accumulation) or leave "
+        "it unset (the matmuls compute in config.model.dtype).")
 
 
 def _validate_file_data(config: ml_collections.ConfigDict) -> None:

@@ -1,6 +1,7 @@
 """vit_jax.kernels.matmuls: the Dense layers' matmuls and their backward
 passes."""
 
+import functools
 import re
 
 import chex
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from vit_jax.kernels import matmuls
-from vit_jax.model import blocks
+from vit_jax.model import blocks, vit
 
 _DENSE = (((1,), (0,)), ((), ()))
 
@@ -142,3 +143,103 @@ def test_mlp_kernel_gradients_have_the_narrow_side_as_rows():
   dots = _weight_gradient_dots(text)
   (first,) = [shape for name, shape in dots.items() if "Dense_0" in name]
   assert first == (64, 256), dots
+
+
+# ---------------------------------------------- bfloat16 operands (CPU speed)
+def _rounded(x):
+  """x rounded to bfloat16, as float64: what the products read."""
+  return np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+
+
+@pytest.mark.parametrize("with_gelu", [False, True])
+def test_bfloat16_operands_give_float32_products_of_the_rounded_operands(
+    with_gelu):
+  """Every product of a Dense layer with operand_dtype=bfloat16, forward
+  and backward, equals the float64 product of its operands rounded to
+  bfloat16 (float32 accumulation: ~1e-6 relative), and differs from the
+  float32 layer by bfloat16's rounding."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(96, 48)).astype(np.float32)
+  kernel = rng.normal(size=(48, 80)).astype(np.float32) / 7
+  weights = rng.normal(size=(96, 80)).astype(np.float32)  # loss = <w, y>
+  dims = (((1,), (0,)), ((), ()))
+  dot = (matmuls.gelu_dot_general(operand_dtype=jnp.bfloat16) if with_gelu
+         else functools.partial(matmuls.dense_dot_general,
+                                operand_dtype=jnp.bfloat16))
+  loss = lambda x, k: jnp.sum(dot(x, k, dims) * weights)
+  out = jax.jit(lambda x, k: dot(x, k, dims))(x, kernel)
+  x_grad, kernel_grad = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, kernel)
+  assert out.dtype == x_grad.dtype == kernel_grad.dtype == jnp.float32
+
+  gelu = lambda v: np.asarray(nn.gelu(jnp.asarray(v, jnp.float32)),
+                              np.float64)
+  act = gelu(x) if with_gelu else x.astype(np.float64)
+  np.testing.assert_allclose(out, _rounded(act) @ _rounded(kernel),
+                             rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(kernel_grad, _rounded(act).T @ _rounded(weights),
+                             rtol=2e-5, atol=2e-4)
+  act_grad = _rounded(weights) @ _rounded(kernel).T
+  if with_gelu:  # the chain rule through the GELU, in float32
+    _, gelu_vjp = jax.vjp(nn.gelu, jnp.asarray(x))
+    act_grad = np.asarray(gelu_vjp(jnp.asarray(act_grad, jnp.float32))[0])
+  np.testing.assert_allclose(x_grad, act_grad, rtol=2e-5, atol=2e-4)
+  exact = act @ kernel.astype(np.float64)
+  assert 1e-4 < np.max(np.abs(out - exact)) / np.max(np.abs(exact)) < 2e-2
+
+
+def test_bfloat16_operands_reach_every_product_of_a_train_step_gradient():
+  """In the gradient of a ViT with matmul_dtype=bfloat16, every product of
+  the encoder's Dense layers reads bfloat16 and writes float32 (the head's
+  stays float32), and the parameters and their gradients are float32."""
+  model = vit.VisionTransformer(num_classes=7, patch_size=4, hidden_size=32,
+                                num_layers=2, num_heads=2, mlp_dim=64,
+                                matmul_dtype=jnp.bfloat16)
+  images = jnp.ones((2, 8, 8, 3))
+  params = model.init(jax.random.PRNGKey(0), images)["params"]
+  grad_fn = jax.jit(jax.grad(lambda p: jnp.sum(model.apply(
+      {"params": p}, images) ** 2)))
+  dots = re.findall(r"stablehlo.dot_general[^\n]*?: \(tensor<([^>]*)>, "
+                    r"tensor<([^>]*)>\) -> tensor<([^>]*)>",
+                    grad_fn.lower(params).as_text())
+  head = [d for d in dots if "7" in "".join(d).split("x")]
+  encoder = [d for d in dots if d not in head]
+  assert len(head) == 3 and len(encoder) >= 18, dots  # forward + backward
+  assert all(a.endswith("bf16") and b.endswith("bf16") and out.endswith("f32")
+             for a, b, out in encoder), encoder
+  grads = grad_fn(params)
+  assert {leaf.dtype for leaf in jax.tree.leaves((params, grads))} == {
+      jnp.dtype(jnp.float32)}
+
+
+def test_xla_compiler_options_turn_on_ynnpack_dots_only_for_bfloat16():
+  options = matmuls.xla_compiler_options(jnp.bfloat16)
+  assert matmuls.xla_compiler_options(None) is None
+  assert matmuls.xla_compiler_options(jnp.float32) is None
+  if jax.default_backend() != "cpu":
+    assert options is None
+    return
+  assert options == {"xla_cpu_experimental_ynn_fusion_type":
+                     "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+  a = jax.random.normal(jax.random.PRNGKey(0), (64, 48))
+  b = jax.random.normal(jax.random.PRNGKey(1), (48, 32))
+  product = lambda a, b: matmuls.dense_dot_general(
+      a, b, (((1,), (0,)), ((), ())), operand_dtype=jnp.bfloat16)
+  compiled = jax.jit(product, compiler_options=options).lower(a, b).compile()
+  assert "ynn_fusion" in compiled.as_text()  # YNNPACK runs the product
+  np.testing.assert_allclose(compiled(a, b), jax.jit(product)(a, b),
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ("fpu avx2 fma avx512f avx512_bf16 avx512_vnni", True),
+    ("fpu avx2 amx_bf16 amx_tile", True),
+    ("fpu avx2 fma avx512f avx512bw", False)])
+def test_cpu_has_bfloat16_dots_reads_the_cpu_flags(monkeypatch, tmp_path,
+                                                   flags, expected):
+  cpuinfo = tmp_path / "cpuinfo"
+  cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Some CPU\n"
+                     f"flags\t\t: {flags}\n\n")
+  real_open = open
+  monkeypatch.setattr(matmuls, "open", lambda path, *a, **k: real_open(
+      cpuinfo if path == "/proc/cpuinfo" else path, *a, **k), raising=False)
+  assert matmuls.cpu_has_bfloat16_dots() is expected

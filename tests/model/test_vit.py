@@ -605,6 +605,23 @@ def test_scan_blocks_still_captures_per_layer_intermediates():
   chex.assert_shape(attention["attention_weights"][0], (2, 4, 5, 5))
 
 
+def test_bfloat16_matmuls_keep_the_parameters_and_round_only_the_products():
+  """matmul_dtype=bfloat16: the same parameter tree and initial values,
+  float32 logits within bfloat16's rounding of the float32 model's."""
+  images = jax.random.normal(jax.random.PRNGKey(3), (4, 16, 16, 3))
+  variables = _init(_tiny(), images.shape)
+  variables16 = _init(_tiny(matmul_dtype=jnp.bfloat16), images.shape)
+  chex.assert_trees_all_equal(variables, variables16)
+  params = jax.tree.map(  # a head that is not zero, weights not tiny
+      lambda p: p + 0.2 * jax.random.normal(jax.random.PRNGKey(4), p.shape),
+      variables["params"])
+  apply = lambda model: jax.jit(model.apply)({"params": params}, images)
+  logits, logits16 = apply(_tiny()), apply(_tiny(matmul_dtype=jnp.bfloat16))
+  assert logits16.dtype == jnp.float32
+  error = float(jnp.max(jnp.abs(logits16 - logits)) / jnp.max(jnp.abs(logits)))
+  assert 1e-4 < error < 3e-2, error
+
+
 # ------------------------------------------------------------------ errors
 def test_patch_must_divide_image():
   with pytest.raises(vit.ViTInputError, match="not divisible by patch_size"):

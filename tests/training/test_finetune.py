@@ -108,6 +108,12 @@ def test_unknown_choices_are_rejected_before_data(tmp_path):
     config[key] = value
     with pytest.raises(ValueError, match=message):
       loop.train_and_evaluate(config, str(tmp_path / "work"))
+  config = _config(dataset="cifar10", data_source="raw",
+                   raw_data_dir=str(tmp_path))
+  config.model.matmul_dtype = "float16"
+  with pytest.raises(ValueError, match="matmul_dtype='float16' is not "
+                     "supported: set 'bfloat16'"):
+    loop.train_and_evaluate(config, str(tmp_path / "work"))
 
 
 def test_init_from_npz_resizes_reheads_and_reports(tmp_path, capsys, caplog):

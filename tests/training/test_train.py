@@ -99,6 +99,40 @@ def test_bfloat16_compute_trains_like_float32_with_float32_state():
   assert cosine > 0.99, cosine
 
 
+@pytest.mark.slow  # ~20 s
+def test_bfloat16_matmuls_train_like_float32():
+  """config.model.matmul_dtype=bfloat16 (bfloat16 operands, float32
+  accumulation, everything else float32): twenty steps from the same init
+  on the same batch follow the float32 run, every state leaf float32."""
+  mesh = sharding.make_mesh()
+  batch = _noise_batch(mesh)
+  runs = {}
+  for matmul_dtype in (None, "bfloat16"):
+    config = small_config(crop_padding=0, random_flip=False,
+                          learning_rate=1e-3)
+    config.model.matmul_dtype = matmul_dtype
+    _, state, train_fn, _ = _build(config, mesh, total_steps=20)
+    initial = jax.device_get(state.params)
+    losses = []
+    for _ in range(20):
+      state, metrics = train_fn(state, *batch)
+      losses.append(float(metrics["loss"]))
+    runs[matmul_dtype] = initial, jax.device_get(state), np.array(losses)
+  (initial, state32, losses32), (_, state16, losses16) = (
+      runs[None], runs["bfloat16"])
+  assert {leaf.dtype for leaf in jax.tree.leaves(state16.params)} == {
+      np.dtype(np.float32)}
+  assert not np.array_equal(losses16, losses32)  # bfloat16 really read
+  np.testing.assert_allclose(losses16, losses32, rtol=5e-3)
+  flat = lambda tree: np.concatenate(
+      [np.ravel(x) for x in jax.tree.leaves(tree)])
+  update32 = flat(state32.params) - flat(initial)
+  update16 = flat(state16.params) - flat(initial)
+  cosine = update16 @ update32 / np.linalg.norm(update16) / np.linalg.norm(
+      update32)
+  assert cosine > 0.99, cosine
+
+
 def test_eval_step_ignores_padding():
   config = small_config()
   mesh = sharding.make_mesh()

@@ -33,6 +33,7 @@ class MlpBlock(nn.Module):
   mlp_dim: int
   dropout_rate: float = 0.0
   approximate_gelu: bool = True
+  matmul_dtype: Optional[Dtype] = None
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -41,7 +42,9 @@ class MlpBlock(nn.Module):
                dropout_key: Optional[jax.Array] = None) -> jax.Array:
     out_dim = x.shape[-1]
     hidden_key, out_key = _split(dropout_key, 2)
-    dense = lambda features, name, dot_general=matmuls.dense_dot_general: (
+    dense_dot_general = functools.partial(matmuls.dense_dot_general,
+                                          operand_dtype=self.matmul_dtype)
+    dense = lambda features, name, dot_general=dense_dot_general: (
         nn.Dense(features, dtype=self.dtype, param_dtype=self.param_dtype,
                  kernel_init=nn.initializers.xavier_uniform(),
                  bias_init=nn.initializers.normal(stddev=1e-6),
@@ -49,7 +52,7 @@ class MlpBlock(nn.Module):
     x = dense(self.mlp_dim, "Dense_0")(x)
     if deterministic or self.dropout_rate == 0.0:
       x = dense(out_dim, "Dense_1", matmuls.gelu_dot_general(
-          self.approximate_gelu))(x)
+          self.approximate_gelu, self.matmul_dtype))(x)
     else:
       x = nn.gelu(x, approximate=self.approximate_gelu)
       x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic,
@@ -76,6 +79,7 @@ class Encoder1DBlock(nn.Module):
   attention_implementation: str = "auto"
   approximate_gelu: bool = True
   layer_norm_epsilon: float = 1e-6
+  matmul_dtype: Optional[Dtype] = None
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -96,6 +100,7 @@ class Encoder1DBlock(nn.Module):
         attention_dropout_rate=self.attention_dropout_rate,
         locality=self.locality_attention,
         implementation=self.attention_implementation,
+        matmul_dtype=self.matmul_dtype,
         dtype=self.dtype, param_dtype=self.param_dtype,
         name="MultiHeadDotProductAttention_1")(
             y, deterministic=deterministic, num_query_tokens=num_query_tokens,
@@ -110,7 +115,8 @@ class Encoder1DBlock(nn.Module):
     y = per_token(norm("LayerNorm_2"), x)
     y = per_token(functools.partial(MlpBlock(
         mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
-        approximate_gelu=self.approximate_gelu, dtype=self.dtype,
+        approximate_gelu=self.approximate_gelu,
+        matmul_dtype=self.matmul_dtype, dtype=self.dtype,
         param_dtype=self.param_dtype, name="MlpBlock_3"),
         deterministic=deterministic, dropout_key=mlp_key), y)
     return x + options.drop_path(self, y, self.drop_path_rate, deterministic,

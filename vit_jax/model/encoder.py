@@ -56,6 +56,7 @@ class Encoder(nn.Module):
   scan_blocks: bool = False
   remat_blocks: bool = False
   num_output_tokens: Optional[int] = None
+  matmul_dtype: Optional[Dtype] = None
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -118,7 +119,8 @@ class Encoder(nn.Module):
         locality_attention=self.locality_attention,
         attention_implementation=self.attention_implementation,
         approximate_gelu=self.approximate_gelu,
-        layer_norm_epsilon=self.layer_norm_epsilon, dtype=self.dtype,
+        layer_norm_epsilon=self.layer_norm_epsilon,
+        matmul_dtype=self.matmul_dtype, dtype=self.dtype,
         param_dtype=self.param_dtype, **module_kwargs)
 
   def _block_randomness(self, x: jax.Array, deterministic: bool):

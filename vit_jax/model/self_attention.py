@@ -5,6 +5,7 @@ The projections run as one matmul; the attention core runs as the einsums
 here or as a fused kernel from `vit_jax.kernels` (`implementation`).
 """
 
+import functools
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -68,6 +69,7 @@ class MultiHeadSelfAttention(nn.Module):
   attention_dropout_rate: float = 0.0
   locality: bool = False
   implementation: str = "auto"
+  matmul_dtype: Optional[Dtype] = None
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -109,7 +111,8 @@ class MultiHeadSelfAttention(nn.Module):
       inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias,
                                                      dtype=self.dtype)
       outputs = per_token(lambda tokens: matmuls.dense_dot_general(
-          tokens, kernel, (((1,), (0,)), ((), ()))) + bias, inputs)
+          tokens, kernel, (((1,), (0,)), ((), ())),
+          operand_dtype=self.matmul_dtype) + bias, inputs)
       outputs = outputs.reshape(*outputs.shape[:2], len(names),
                                 self.num_heads, head_dim)
       token_major = fused in ("xla", "cudnn")
@@ -125,7 +128,9 @@ class MultiHeadSelfAttention(nn.Module):
         hidden_size, axis=(-2, -1), dtype=self.dtype,
         param_dtype=self.param_dtype,
         kernel_init=nn.initializers.xavier_uniform(),
-        dot_general=matmuls.dense_dot_general, name="out")
+        dot_general=functools.partial(matmuls.dense_dot_general,
+                                      operand_dtype=self.matmul_dtype),
+        name="out")
 
     if fused == "cpu_kernel":
       attended = cpu_attention.attention_core(

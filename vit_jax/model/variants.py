@@ -75,6 +75,8 @@ def option_defaults() -> dict:
     value = field.default
     if field.name == "dtype":
       value = jnp.dtype(value).name
+    elif field.name == "matmul_dtype":  # None or a dtype's name
+      value = ml_collections.config_dict.placeholder(str)
     elif value is None:
       value = ml_collections.config_dict.placeholder(int)
     defaults[field.name] = value
@@ -107,4 +109,6 @@ def build_model(model_config: ml_collections.ConfigDict, num_classes: int
   fields = dict(model_config)
   fields.pop("name")
   fields["dtype"] = jnp.dtype(fields["dtype"])
+  if fields["matmul_dtype"] is not None:
+    fields["matmul_dtype"] = jnp.dtype(fields["matmul_dtype"])
   return vit.VisionTransformer(num_classes=num_classes, **fields)

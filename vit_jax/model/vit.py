@@ -99,6 +99,15 @@ class VisionTransformer(nn.Module):
       step scratch 4.3x less, benchmarks/scan_remat.py). Alone it is a
       custom VJP tied to the output gradient; with scan_blocks,
       `jax.checkpoint` of the scan body.
+    matmul_dtype: None (the default: the matmuls compute in `dtype`) or
+      bfloat16: the encoder's Dense products (attention's projections, the
+      MLP) read their operands rounded to bfloat16 and accumulate in
+      float32, forward and backward, while everything else computes in
+      `dtype`. For float32 training on CPUs with bfloat16 dot instructions
+      (AVX512_BF16, AMX), jitted with
+      `kernels.matmuls.xla_compiler_options(matmul_dtype)`: 1.1-1.2x faster
+      train steps on an AVX512_BF16 CPU (docs/performance.md, *bfloat16
+      products on a CPU*); slower on CPUs without them.
     dtype: compute dtype (bfloat16 on GPU/TPU); logits are returned float32.
     param_dtype: dtype the parameters are stored in (keep float32).
   """
@@ -122,6 +131,7 @@ class VisionTransformer(nn.Module):
   layer_norm_epsilon: float = 1e-6
   scan_blocks: bool = False
   remat_blocks: bool = False
+  matmul_dtype: Optional[Dtype] = None
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -174,7 +184,8 @@ class VisionTransformer(nn.Module):
         # Only the class token is classified: the last block need not
         # compute the others (same logits, ~7% fewer FLOPs at 12 layers).
         num_output_tokens=1 if self.classifier == "token" else None,
-        dtype=self.dtype, param_dtype=self.param_dtype, name="Transformer")(
+        matmul_dtype=self.matmul_dtype, dtype=self.dtype,
+        param_dtype=self.param_dtype, name="Transformer")(
             x, deterministic=not train, patch_indices=patch_indices)
 
     x = x[:, 0] if self.classifier == "token" else jnp.mean(x, axis=1)

@@ -31,6 +31,7 @@ from jax.experimental import multihost_utils
 from vit_jax import config as config_lib
 from vit_jax.checkpoints import orbax_checkpoints, pretrained
 from vit_jax.data import augment, datasets
+from vit_jax.kernels import matmuls
 from vit_jax.model import options, variants, vit
 from vit_jax.runtime import host, preemption, sharding
 from vit_jax.training import (budget, budget_tracker, dispatch, metric_writer,
@@ -64,6 +65,8 @@ class Run:
     options = config_lib.train_step_options(
         self.config, self.mean, self.std, self.flip, ema_start_step,
         crops_on_host=self.dataset.crops_on_host)
+    options["compiler_options"] = matmuls.xla_compiler_options(
+        self.model.matmul_dtype)
     per_dispatch = self.config.steps_per_dispatch
     return dispatch.Phase(
         steps.compile_train_step(*args, **options),
@@ -146,6 +149,7 @@ def build_run(config: ml_collections.ConfigDict, workdir: str):
   start_step = restored_step or 0
   eval_fn = steps.compile_eval_step(
       mesh, steps.shardings_of(state.params),
+      matmuls.xla_compiler_options(model.matmul_dtype),
       **config_lib.eval_step_options(config, model.apply, mean, std))
   flip = dataset.flip if config.random_flip is None else config.random_flip
   run = Run(config, workdir, mesh, dataset, spec, mean, std, flip, model,
@@ -181,6 +185,11 @@ def _log_model(config, spec: config_lib.RunSpec, mesh, state,
       f"{jax.process_count()} process(es), mesh {dict(mesh.shape)}; "
       f"{bound}{total_steps} steps of batch {config.batch_size} "
       f"({spec.steps_per_epoch} per epoch).")
+  if (dims.matmul_dtype == "bfloat16" and jax.default_backend() == "cpu"
+      and not matmuls.cpu_has_bfloat16_dots()):
+    log("Warning: config.model.matmul_dtype='bfloat16' on a CPU without "
+        "bfloat16 dot instructions (AVX512_BF16, AMX): the products widen "
+        "to float32 and run slower than float32 ones. Unset it here.")
 
 
 def init_from_pretrained(config: ml_collections.ConfigDict,

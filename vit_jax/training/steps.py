@@ -13,7 +13,7 @@ around them, with its I/O, logging and checkpoints, is
 """
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -219,11 +219,15 @@ def eval_step(params: Any, images: jax.Array, labels: jax.Array,
 
 
 def compile_train_step(mesh: jax.sharding.Mesh, state_sharding,
-                       learning_rate_fn: optax.Schedule, **step_options):
+                       learning_rate_fn: optax.Schedule,
+                       compiler_options: Optional[dict] = None,
+                       **step_options):
   """`train_step` jitted with shardings declared: state_sharding is the
   train state's layout (`shardings_of(state)`), which the new state keeps;
   batches are split over every device; metrics come back replicated; the
-  state is donated. step_options: `train_step`'s keyword arguments
+  state is donated. compiler_options: XLA's per-program options
+  (`matmuls.xla_compiler_options` of the model's matmul_dtype).
+  step_options: `train_step`'s keyword arguments
   (`config.train_step_options` makes them from a config)."""
   batch = sharding.batch_sharded(mesh)
   return jax.jit(
@@ -231,11 +235,12 @@ def compile_train_step(mesh: jax.sharding.Mesh, state_sharding,
                         **step_options),
       in_shardings=(state_sharding, batch, batch),
       out_shardings=(state_sharding, sharding.replicated(mesh)),
-      donate_argnums=0)
+      donate_argnums=0, compiler_options=compiler_options)
 
 
 def compile_train_steps(mesh: jax.sharding.Mesh, state_sharding,
                         learning_rate_fn: optax.Schedule, num_steps: int,
+                        compiler_options: Optional[dict] = None,
                         **step_options):
   """`train_steps` over `num_steps` batches, jitted as `compile_train_step`
   jits one: fn(state, images, labels) with images and labels tuples of
@@ -248,10 +253,11 @@ def compile_train_steps(mesh: jax.sharding.Mesh, state_sharding,
                         **step_options),
       in_shardings=(state_sharding, batches, batches),
       out_shardings=(state_sharding, sharding.replicated(mesh)),
-      donate_argnums=0)
+      donate_argnums=0, compiler_options=compiler_options)
 
 
 def compile_eval_step(mesh: jax.sharding.Mesh, params_sharding,
+                      compiler_options: Optional[dict] = None,
                       **eval_options):
   """`eval_step` jitted with shardings declared: eval_fn(params, images,
   labels, mask), params laid out as `params_sharding`
@@ -260,7 +266,8 @@ def compile_eval_step(mesh: jax.sharding.Mesh, params_sharding,
   batch = sharding.batch_sharded(mesh)
   return jax.jit(functools.partial(eval_step, **eval_options),
                  in_shardings=(params_sharding, batch, batch, batch),
-                 out_shardings=sharding.replicated(mesh))
+                 out_shardings=sharding.replicated(mesh),
+                 compiler_options=compiler_options)
 
 
 def evaluate(eval_fn, params: Any, dataset: datasets.Dataset,
