@@ -151,19 +151,63 @@ def test_auto_takes_a_fused_kernel_exactly_where_it_runs(
       assert choose("auto", **flags) is None  # the einsums
 
 
-@pytest.mark.parametrize("lengths, problem", [
-    ((196, 196), None), ((1, 196), "even token counts, .* has 1"),
-    ((197, 197), "even token counts, .* has 197")])
-def test_cudnn_only_where_its_gradient_runs(lengths, problem):
-  """On an H100 with JAX 0.11, cuDNN's attention raised "Unsupported
-  sequence length Q 197, KV 197" under differentiation (docs/gpu.md)."""
-  choose = lambda requested: attention.fused_implementation(
-      requested, jnp.bfloat16, 64, device=_Device("gpu", "9.0"),
-      sequence_lengths=lengths)
-  assert choose("auto") == (None if problem else "cudnn")
-  if problem:
-    with pytest.raises(ValueError, match=problem):
-      choose("cudnn")
+def test_cudnn_whatever_the_token_counts():
+  """Odd counts too (197 tokens; the last block's single class-token
+  query): `dot_product_attention` pads them to even for cuDNN."""
+  assert attention.fused_implementation(
+      "auto", jnp.bfloat16, 64, device=_Device("gpu", "9.0")) == "cudnn"
+
+
+def _qkv(query_tokens, key_tokens, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+  shape = lambda tokens: (2, tokens, 3, 16)  # (B, T, heads, head_dim)
+  return (jax.random.normal(keys[0], shape(query_tokens)),
+          jax.random.normal(keys[1], shape(key_tokens)),
+          jax.random.normal(keys[2], shape(key_tokens)))
+
+
+@pytest.mark.parametrize("query_tokens, key_tokens",
+                         [(197, 197), (1, 197), (196, 196), (3, 8)])
+def test_padding_to_even_keeps_values_and_gradients(query_tokens,
+                                                    key_tokens):
+  """Through inputs padded by a masked zero token: the values and
+  gradients of unpadded attention (XLA's implementation, float32, which
+  takes the same key_value_seq_lengths mask as cuDNN)."""
+  qkv = _qkv(query_tokens, key_tokens)
+  loss = lambda attend: lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v)))
+  padded = lambda q, k, v: attention.padded_to_even(q, k, v, "xla")
+  plain = lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, scale=q.shape[-1] ** -0.5, implementation="xla")
+  assert padded(*qkv).shape == qkv[0].shape
+  np.testing.assert_allclose(padded(*qkv), plain(*qkv), rtol=1e-5,
+                             atol=1e-6)
+  grads = jax.grad(loss(padded), argnums=(0, 1, 2))(*qkv)
+  expected = jax.grad(loss(plain), argnums=(0, 1, 2))(*qkv)
+  for grad, reference in zip(grads, expected):
+    np.testing.assert_allclose(grad, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_cudnn_gets_even_token_counts_and_a_key_mask(monkeypatch):
+  """What `dot_product_attention` hands JAX for cuDNN (recorded, then run
+  by XLA's implementation here, where no GPU is)."""
+  calls = []
+  original = jax.nn.dot_product_attention
+
+  def recording(query, key, value, **kwargs):
+    calls.append((query.shape[1], key.shape[1],
+                  kwargs.get("key_value_seq_lengths")))
+    return original(query, key, value, **{**kwargs, "implementation": "xla"})
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+  for query_tokens, key_tokens in ((197, 197), (1, 197), (196, 196)):
+    out = attention.dot_product_attention(*_qkv(query_tokens, key_tokens),
+                                          "cudnn")
+    assert out.shape == (2, query_tokens, 3, 16)
+  (q1, k1, lengths1), (q2, k2, lengths2), (q3, k3, lengths3) = calls
+  assert (q1, k1, q2, k2, q3, k3) == (198, 198, 2, 198, 196, 196)
+  np.testing.assert_array_equal(lengths1, [197, 197])
+  np.testing.assert_array_equal(lengths2, [197, 197])
+  assert lengths3 is None  # even counts go as they are
 
 
 def test_einsums_whenever_probabilities_or_masks_are_needed():

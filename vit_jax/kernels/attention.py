@@ -7,10 +7,9 @@ choice changes neither the parameters nor (beyond float rounding) the values.
 
   "auto"    cuDNN's flash attention where it runs (a CUDA GPU of compute
             capability 8.0 or later, bfloat16/float16 compute, head_dim a
-            multiple of 8 up to 128, even token counts: JAX 0.11's cuDNN
-            path cannot differentiate 197 tokens, so a class-token ViT at
-            224 px keeps the einsums; docs/gpu.md): no (B, heads, T, T)
-            probabilities in memory. On a CPU in float32 with head_dim a
+            multiple of 8 up to 128; odd token counts padded by one, see
+            `dot_product_attention`): no (B, heads, T, T) probabilities in
+            memory. On a CPU in float32 with head_dim a
             multiple of 16, the C++ kernel where it builds. Elsewhere the
             einsums: on XLA:CPU `jax.nn.dot_product_attention` was no
             faster (docs/performance.md, *Attention kernel*), and in JAX
@@ -28,7 +27,6 @@ the probabilities and Locality Self-Attention's diagonal mask exist only
 there too: "auto" then takes the einsums, the other kernels raise.
 """
 
-import functools
 from typing import Any, Optional
 
 import jax
@@ -40,11 +38,10 @@ IMPLEMENTATIONS = ("auto", "einsum", "cpu_kernel", "xla", "cudnn")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def cudnn_problem(dtype: Any, head_dim: int, device: Any = None,
-                  sequence_lengths: tuple[int, ...] = ()) -> Optional[str]:
+def cudnn_problem(dtype: Any, head_dim: int, device: Any = None
+                  ) -> Optional[str]:
   """Why cuDNN's flash attention cannot run this attention on `device`
-  (default: JAX's first device), or None if it can. sequence_lengths: the
-  query and key token counts, where known."""
+  (default: JAX's first device), or None if it can."""
   device = jax.devices()[0] if device is None else device
   capability = getattr(device, "compute_capability", None)  # CUDA only
   if device.platform != "gpu" or capability is None:
@@ -58,20 +55,12 @@ def cudnn_problem(dtype: Any, head_dim: int, device: Any = None,
   if head_dim % 8 or head_dim > 128:
     return (f"it needs head_dim (hidden_size / num_heads) a multiple of 8 up "
             f"to 128, and it is {head_dim}")
-  odd = [length for length in sequence_lengths if length % 2]
-  if odd:
-    # JAX 0.11's cuDNN path (cuDNN 9.19, H100) raises "Unsupported sequence
-    # length Q 197, KV 197" when differentiated; the forward pass alone
-    # runs, but nothing at trace time says whether a gradient will follow.
-    return (f"its gradient needs even token counts, and this attention has "
-            f"{odd[0]} (e.g. 196 patches + a class token)")
   return None
 
 
 def fused_implementation(requested: str, dtype: Any, head_dim: int, *,
                          capturing: bool = False, dropout: bool = False,
-                         locality: bool = False, device: Any = None,
-                         sequence_lengths: tuple[int, ...] = ()
+                         locality: bool = False, device: Any = None
                          ) -> Optional[str]:
   """The `implementation` to pass to `jax.nn.dot_product_attention`,
   "cpu_kernel" for `cpu_attention.attention_core`, or None for the einsums.
@@ -79,8 +68,7 @@ def fused_implementation(requested: str, dtype: Any, head_dim: int, *,
   requested: one of IMPLEMENTATIONS; dtype: the compute dtype; head_dim:
   hidden_size / num_heads; capturing: attention maps are being captured;
   dropout: dropout on the probabilities is active (training, rate > 0);
-  locality: Locality Self-Attention; sequence_lengths: the query and key
-  token counts.
+  locality: Locality Self-Attention.
   """
   if requested not in IMPLEMENTATIONS:
     raise ValueError(f"Unknown attention_implementation {requested!r}; "
@@ -92,7 +80,7 @@ def fused_implementation(requested: str, dtype: Any, head_dim: int, *,
   if requested == "auto":
     if unsupported:
       return None
-    if not cudnn_problem(dtype, head_dim, device, sequence_lengths):
+    if not cudnn_problem(dtype, head_dim, device):
       return "cudnn"
     if not cpu_attention.problem(dtype, head_dim, device):
       return "cpu_kernel"
@@ -101,8 +89,7 @@ def fused_implementation(requested: str, dtype: Any, head_dim: int, *,
     raise ValueError(
         f"attention_implementation={requested!r} does not support "
         f"{unsupported}; use 'auto' or 'einsum' (the model's own einsums).")
-  problem = {"cudnn": functools.partial(
-      cudnn_problem, sequence_lengths=sequence_lengths),
+  problem = {"cudnn": cudnn_problem,
              "cpu_kernel": cpu_attention.problem,
              "xla": lambda *_: None}[requested](dtype, head_dim, device)
   if problem:
@@ -111,6 +98,43 @@ def fused_implementation(requested: str, dtype: Any, head_dim: int, *,
         f"{problem}. Use 'auto', which takes cuDNN or the CPU kernel where "
         "they can run and the einsums elsewhere.")
   return requested
+
+
+def dot_product_attention(query: jax.Array, key: jax.Array,
+                          value: jax.Array, implementation: str
+                          ) -> jax.Array:
+  """softmax(Q K^T / sqrt(head_dim)) V by `jax.nn.dot_product_attention`.
+
+  query: (B, Tq, heads, head_dim); key, value: (B, Tk, heads, head_dim);
+  returns (B, Tq, heads, head_dim). implementation: "xla" or "cudnn".
+
+  cuDNN gets even token counts: JAX 0.11's cuDNN path raises "Unsupported
+  sequence length Q 197, KV 197" when it differentiates odd ones (its
+  check takes the placeholder of an absent bias for a bias), and every
+  class-token ViT at 224 px has 197 tokens (the last block's class-token
+  queries: 1). So odd counts are padded by one zero token, which is masked
+  out as a key (cuDNN's padding mask: `key_value_seq_lengths`, no bias)
+  and dropped as a query.
+  """
+  if implementation == "cudnn" and (query.shape[1] % 2 or key.shape[1] % 2):
+    return padded_to_even(query, key, value, implementation)
+  return jax.nn.dot_product_attention(
+      query, key, value, scale=query.shape[-1] ** -0.5,
+      implementation=implementation)
+
+
+def padded_to_even(query: jax.Array, key: jax.Array, value: jax.Array,
+                   implementation: str) -> jax.Array:
+  """`dot_product_attention` through inputs padded to even token counts:
+  the same values and gradients (tested with "xla" on a CPU)."""
+  def pad(tokens):
+    return jnp.pad(tokens, ((0, 0), (0, tokens.shape[1] % 2), (0, 0),
+                            (0, 0)))
+  key_tokens = jnp.full((key.shape[0],), key.shape[1], jnp.int32)
+  attended = jax.nn.dot_product_attention(
+      pad(query), pad(key), pad(value), scale=query.shape[-1] ** -0.5,
+      key_value_seq_lengths=key_tokens, implementation=implementation)
+  return attended[:, :query.shape[1]]
 
 
 def _row_max(x: jax.Array) -> jax.Array:

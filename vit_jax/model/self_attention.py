@@ -92,8 +92,7 @@ class MultiHeadSelfAttention(nn.Module):
         self.implementation, self.dtype, head_dim,
         capturing=self.is_mutable_collection("intermediates"),
         dropout=bool(self.attention_dropout_rate) and not deterministic,
-        locality=self.locality,
-        sequence_lengths=(num_query_tokens or x.shape[1], x.shape[1]))
+        locality=self.locality)
 
     def project(inputs, names):
       """(B, T, D) -> a (B, heads, T, head_dim) per name for the einsums,
@@ -137,8 +136,8 @@ class MultiHeadSelfAttention(nn.Module):
           query / jnp.sqrt(head_dim).astype(self.dtype), key, value)
       return per_token(output, jnp.swapaxes(attended, 1, 2))
     if fused is not None:
-      return per_token(output, jax.nn.dot_product_attention(
-          query, key, value, scale=head_dim ** -0.5, implementation=fused))
+      return per_token(output, attention.dot_product_attention(
+          query, key, value, fused))
 
     temperature = (self.param("temperature",
                               nn.initializers.constant(head_dim ** 0.5), (),
