@@ -20,7 +20,9 @@ work per step (dispatching a state of 444 arrays, placing the batch) set
 the pace, not the GPU (3.8-5.6 ms a step), so the steps go 18 to a
 dispatch (config.steps_per_dispatch, a loop on the device).
 
-Measured: see docs/gpu.md (GPU, time to 94%, the curve).
+Measured on one H200 (2026-11-28, docs/gpu.md, with the curve): 94.23%
+test accuracy (EMA 94.23%) after the 300 epochs in 1.6 minutes, 94.06%
+(EMA) first at epoch 160 after 1.1; the whole command took 111 s.
 """
 
 import importlib.util
