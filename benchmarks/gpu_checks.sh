@@ -4,12 +4,15 @@
 #
 #   bash benchmarks/gpu_checks.sh OUT_DIR [PART...]
 #
-# PARTs, in the order given (default: all four):
+# PARTs, in the order given (default: all five):
 #   tests          pytest -m gpu (~4 min on an H100; GPU_TESTS="EXPR" runs
 #                  the tests pytest -k EXPR selects)
 #   fashion_mnist  the Fashion-MNIST recipe against the 94% / 3 min target
 #   dispatch       benchmarks/dispatch.py (one step a dispatch against 18)
-#   throughput     benchmarks/gpu_throughput.py with a profile (~6 min)
+#   throughput     benchmarks/gpu_throughput.py with a profile (~5 min)
+#   input          benchmarks/input_throughput.py: the streamed pipeline's
+#                  decode rate on the host's cores and the ViT-B/16 step
+#                  fed from it against from memory (~3 min)
 #
 # Logs go to OUT_DIR. FASHION_MNIST_DIR (default Debian's
 # /usr/share/datasets/fashion-mnist) holds the raw Fashion-MNIST files;
@@ -20,7 +23,7 @@ cd "$(dirname "$0")/.."
 out=${1:?output folder}
 shift
 parts=("$@")
-[ $# -eq 0 ] && parts=(tests fashion_mnist dispatch throughput)
+[ $# -eq 0 ] && parts=(tests fashion_mnist dispatch throughput input)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -74,7 +77,15 @@ for part in "${parts[@]}"; do
       find /tmp/vit_jax_profile -name '*perfetto_trace*' \
         -exec cp {} "$out/vit_l16_train_trace.json.gz" \;
       ;;
-    *) echo "unknown part $part: tests, fashion_mnist, dispatch or throughput"
+    input)
+      spare=$(( $(nproc) - 1 ))
+      python3 benchmarks/input_throughput.py --model=ViT-B/16 \
+        --dtype=bfloat16 --batch_size=256 --num_images=2048 \
+        --workers=4,8,$spare --feed_workers=$spare --rss_files=0 \
+        --steps=4 --rounds=2 2>&1 | tee "$out/input_throughput.txt"
+      ;;
+    *) echo "unknown part $part: tests, fashion_mnist, dispatch," \
+         "throughput or input"
        exit 2 ;;
   esac
 done

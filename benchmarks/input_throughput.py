@@ -3,6 +3,10 @@ r"""Streaming input pipeline: decode rate, feeding the step, memory.
   python benchmarks/input_throughput.py
   python benchmarks/input_throughput.py --num_images=2048 --workers=1,2,4 \
       --rss_files=50000
+  # a GPU host: the ViT-B/16 step (bf16) fed by a worker per spare core
+  python benchmarks/input_throughput.py --model=ViT-B/16 --dtype=bfloat16 \
+      --batch_size=256 --num_images=2048 --workers=4,8,15 --feed_workers=15 \
+      --rss_files=0
 
 Writes ImageNet-like JPEGs (about 500x375, quality 90, natural-image-like
 content: 1/f colour noise with a few shaded shapes on it) to --cache_dir
@@ -15,15 +19,18 @@ once, then measures in this process:
      (64x48) files: it must not grow with the file count. This file
      imports JAX only inside functions, as vit_jax/cli.py does, so the
      worker's figure is what a worker of the command line costs.
-  3. feed: the ViT-Ti/16 @224 train step fed from the folder (one worker)
-     against the same images decoded beforehand and fed from memory, the
-     two interleaved over --rounds; folder_over_memory near 1.0 means the
-     step never waits for data;
+  3. feed: the --model train step at 224 px (default ViT-Ti/16, float32)
+     fed from the folder (--feed_workers workers) against the same images
+     decoded beforehand and fed from memory, the two interleaved over
+     --rounds; folder_over_memory near 1.0 means the step never waits for
+     data;
+--rss_files=0 leaves out the memory check (rss_mib=nan).
 Ends with `summary: decode_images_per_s_per_worker=… folder_over_memory=…
 rss_mib=…` (per worker at the largest worker count that is at most the
 cores; RSS of the --rss_files folder).
 """
 
+import multiprocessing
 import os
 import platform
 import statistics
@@ -44,6 +51,11 @@ _STEPS = flags.DEFINE_integer("steps", 6, "Timed train steps per round.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved feed rounds.")
 _RSS_FILES = flags.DEFINE_integer("rss_files", 50_000,
                                   "Files in the memory check's big folder.")
+_MODEL = flags.DEFINE_string("model", "ViT-Ti/16", "The fed step's variant.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                           "The fed step's compute dtype.")
+_FEED_WORKERS = flags.DEFINE_integer("feed_workers", 1,
+                                     "Workers decoding for the fed step.")
 _CACHE = flags.DEFINE_string("cache_dir", "/tmp/vit_jax_input_benchmark",
                              "Where the generated images are kept.")
 NUM_CLASSES = 10
@@ -71,20 +83,33 @@ def natural_image(rng: np.random.Generator, width: int, height: int
   return np.clip(image, 0, 255).astype(np.uint8)
 
 
+def _write_image(job: tuple) -> None:
+  """One JPEG of write_folder, from its own seed (so any process can)."""
+  path, size, quality, seed = job
+  rng = np.random.default_rng(seed)
+  width = int(size[0] * rng.uniform(0.85, 1.0))
+  height = int(size[1] * rng.uniform(0.85, 1.0))
+  Image.fromarray(natural_image(rng, width, height)).save(path,
+                                                          quality=quality)
+
+
 def write_folder(root: str, count: int, size=(500, 375), quality=90,
                  seed=0) -> str:
-  """root/train/class_k/*.jpg, `count` images; reused when complete."""
+  """root/train/class_k/*.jpg, `count` images, made on every core; reused
+  when complete."""
   marker = os.path.join(root, f".complete_{count}")
   if os.path.exists(marker):
     return root
-  rng = np.random.default_rng(seed)
+  jobs = []
   for index in range(count):
     folder = os.path.join(root, "train", f"class_{index % NUM_CLASSES}")
     os.makedirs(folder, exist_ok=True)
-    width = int(size[0] * rng.uniform(0.85, 1.0))
-    height = int(size[1] * rng.uniform(0.85, 1.0))
-    Image.fromarray(natural_image(rng, width, height)).save(
-        os.path.join(folder, f"{index:06d}.jpg"), quality=quality)
+    jobs.append((os.path.join(folder, f"{index:06d}.jpg"), size, quality,
+                 (seed, index)))
+  # fork: this file keeps JAX out of its top level, so nothing to inherit
+  # but NumPy and PIL.
+  with multiprocessing.get_context("fork").Pool(os.cpu_count()) as pool:
+    pool.map(_write_image, jobs, chunksize=16)
   open(marker, "w").close()
   return root
 
@@ -156,15 +181,16 @@ def streaming_rss(root: str, mesh, batches: int = 20
 
 
 def feed_ratio(root: str, mesh) -> tuple[float, float]:
-  """(folder images/s, memory images/s) of the ViT-Ti/16 @224 step."""
+  """(folder images/s, memory images/s) of the --model step at 224 px."""
   # pylint: disable=g-import-not-at-top
   import jax
   from vit_jax import config as config_lib
   from vit_jax.data import examples, input_pipeline
   from vit_jax.model import variants
   from vit_jax.training import optim, steps
-  config = config_lib.base_config("ViT-Ti/16")
-  stream = _stream(root, workers=1)
+  config = config_lib.base_config(_MODEL.value)
+  config.model.dtype = _DTYPE.value
+  stream = _stream(root, workers=_FEED_WORKERS.value)
   model = variants.build_model(config.model, NUM_CLASSES)
   schedule = optim.learning_rate_schedule(config, 10_000, 100)
   state = steps.create_train_state(model, (224, 224, 3),
@@ -216,7 +242,9 @@ def main(_):
   cores = os.cpu_count() or 1
   print(f"Command: python benchmarks/input_throughput.py "
         f"--num_images={_NUM_IMAGES.value} --workers="
-        f"{','.join(_WORKERS.value)} --rss_files={_RSS_FILES.value}")
+        f"{','.join(_WORKERS.value)} --rss_files={_RSS_FILES.value} "
+        f"--model={_MODEL.value} --dtype={_DTYPE.value} --batch_size="
+        f"{_BATCH.value} --feed_workers={_FEED_WORKERS.value}")
   print(f"CPU: {_cpu()}, {cores} cores; load average at start "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
   tick = time.perf_counter()
@@ -232,8 +260,8 @@ def main(_):
     per_worker[workers] = rate / workers
     print(f"decode + Inception crop to 224, {workers} worker(s): "
           f"{rate:7.1f} images/s, {rate / workers:7.1f} per worker")
-  rss = {}
-  for count in (2000, _RSS_FILES.value):
+  rss = {_RSS_FILES.value: float("nan")}
+  for count in (2000, _RSS_FILES.value) if _RSS_FILES.value else ():
     root = write_folder(os.path.join(_CACHE.value, f"small_{count}"), count,
                         size=(64, 48))
     own, workers = streaming_rss(root, mesh)
@@ -242,7 +270,8 @@ def main(_):
           f"{rss[count]:.0f} MiB (this process {own:.0f}, its worker "
           f"{workers:.0f})")
   folder_rate, memory_rate = feed_ratio(photos, mesh)
-  print(f"ViT-Ti/16 @224 train step, batch {_BATCH.value}: fed from the "
+  print(f"{_MODEL.value} @224 train step ({_DTYPE.value}), batch "
+        f"{_BATCH.value}, {_FEED_WORKERS.value} worker(s): fed from the "
         f"folder {folder_rate:.1f} images/s, from memory {memory_rate:.1f} "
         f"({folder_rate / memory_rate:.3f})")
   fitting = [w for w in per_worker if w <= cores] or list(per_worker)
