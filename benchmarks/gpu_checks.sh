@@ -74,8 +74,10 @@ for part in "${parts[@]}"; do
     throughput)
       python3 benchmarks/gpu_throughput.py --profile=/tmp/vit_jax_profile \
         2>&1 | tee "$out/gpu_throughput.txt"
-      find /tmp/vit_jax_profile -name '*perfetto_trace*' \
-        -exec cp {} "$out/vit_l16_train_trace.json.gz" \;
+      for mode in train infer; do
+        find /tmp/vit_jax_profile/$mode -name '*perfetto_trace*' \
+          -exec cp {} "$out/vit_l16_${mode}_trace.json.gz" \;
+      done
       ;;
     input)
       spare=$(( $(nproc) - 1 ))

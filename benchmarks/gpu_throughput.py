@@ -2,7 +2,7 @@ r"""vit_jax against timm + torch.compile on one CUDA GPU: ViT-B/16, ViT-L/16.
 
   python benchmarks/gpu_throughput.py                 # ~5-7 min on one H100
   python benchmarks/gpu_throughput.py --profile=DIR   # + where the ViT-L/16
-                                                      #   train step's time goes
+                                                      #   steps' time goes
 
 Both libraries build the same model (224 px, patch 16, 1000 classes, the
 paper's Table 1 widths) and run the same work:
@@ -360,9 +360,9 @@ def main():
   parser.add_argument("--models", default=",".join(MODELS))
   parser.add_argument("--modes", default=",".join(MODES))
   parser.add_argument("--profile", default="",
-                      help="folder for a JAX profile of the ViT-L/16 (or "
-                      "last model's) train step, with a per-kernel-class "
-                      "summary")
+                      help="folder for JAX profiles of the ViT-L/16 (or "
+                      "last model's) train and inference steps (DIR/train, "
+                      "DIR/infer), with a per-kernel-class summary")
   args = parser.parse_args()
   if args.worker:
     print(json.dumps(run_worker(args)), flush=True)
@@ -376,12 +376,13 @@ def main():
   for name in models:
     for mode in modes:
       for library in LIBRARIES:
-        profile = (args.profile and library == "vit_jax" and mode == "train"
+        profile = (args.profile and library == "vit_jax"
                    and name == ("ViT-L/16" if "ViT-L/16" in models
                                 else models[-1]))
         worker = ([f"--worker_kind={library}", f"--model={name}",
                    f"--mode={mode}"]
-                  + ([f"--profile={args.profile}"] if profile else []))
+                  + ([f"--profile={os.path.join(args.profile, mode)}"]
+                     if profile else []))
         results[name, mode, library] = spawn(worker)
         if library == "vit_jax" and "error" in results[name, mode, library]:
           # Measured all the same, and the table says with which kernel.
