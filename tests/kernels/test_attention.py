@@ -187,6 +187,21 @@ def test_padding_to_even_keeps_values_and_gradients(query_tokens,
     np.testing.assert_allclose(grad, reference, rtol=1e-4, atol=1e-5)
 
 
+def test_padding_to_even_splits_over_the_batch_like_its_inputs():
+  """Sharded over the batch (a device each), the padded attention gives the
+  unsharded values and keeps the batch split (the key mask is made from
+  the keys, so it is split with them)."""
+  devices = jax.devices()[:8]
+  mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  keys = jax.random.split(jax.random.PRNGKey(3), 3)
+  qkv = [jax.random.normal(k, (len(devices), 197, 3, 16)) for k in keys]
+  attend = jax.jit(lambda q, k, v: attention.padded_to_even(q, k, v, "xla"))
+  sharded = attend(*[jax.device_put(x, split) for x in qkv])
+  assert sharded.sharding.is_equivalent_to(split, sharded.ndim)
+  np.testing.assert_allclose(sharded, attend(*qkv), rtol=1e-6, atol=1e-6)
+
+
 def test_cudnn_gets_even_token_counts_and_a_key_mask(monkeypatch):
   """What `dot_product_attention` hands JAX for cuDNN (recorded, then run
   by XLA's implementation here, where no GPU is)."""

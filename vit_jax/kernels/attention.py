@@ -130,7 +130,8 @@ def padded_to_even(query: jax.Array, key: jax.Array, value: jax.Array,
   def pad(tokens):
     return jnp.pad(tokens, ((0, 0), (0, tokens.shape[1] % 2), (0, 0),
                             (0, 0)))
-  key_tokens = jnp.full((key.shape[0],), key.shape[1], jnp.int32)
+  # From key itself, so that it is split over the batch like key is.
+  key_tokens = jnp.full_like(key[:, 0, 0, 0], key.shape[1], jnp.int32)
   attended = jax.nn.dot_product_attention(
       pad(query), pad(key), pad(value), scale=query.shape[-1] ** -0.5,
       key_value_seq_lengths=key_tokens, implementation=implementation)
