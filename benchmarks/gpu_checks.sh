@@ -4,12 +4,14 @@
 #
 #   bash benchmarks/gpu_checks.sh OUT_DIR [PART...]
 #
-# PARTs, in the order given (default: all five):
+# PARTs, in the order given (default: all six):
 #   tests          pytest -m gpu (~4 min on an H100; GPU_TESTS="EXPR" runs
 #                  the tests pytest -k EXPR selects)
 #   fashion_mnist  the Fashion-MNIST recipe against the 94% / 3 min target
 #   dispatch       benchmarks/dispatch.py (one step a dispatch against 18)
 #   throughput     benchmarks/gpu_throughput.py with a profile (~5 min)
+#   flags          benchmarks/gpu_flags.py: XLA options for the ViT-L/16
+#                  train step, side by side in one process (~3 min)
 #   input          benchmarks/input_throughput.py: the streamed pipeline's
 #                  decode rate on the host's cores and the ViT-B/16 step
 #                  fed from it against from memory (~3 min)
@@ -23,7 +25,7 @@ cd "$(dirname "$0")/.."
 out=${1:?output folder}
 shift
 parts=("$@")
-[ $# -eq 0 ] && parts=(tests fashion_mnist dispatch throughput input)
+[ $# -eq 0 ] && parts=(tests fashion_mnist dispatch throughput flags input)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -79,6 +81,9 @@ for part in "${parts[@]}"; do
           -exec cp {} "$out/vit_l16_${mode}_trace.json.gz" \;
       done
       ;;
+    flags)
+      python3 benchmarks/gpu_flags.py 2>&1 | tee "$out/gpu_flags.txt"
+      ;;
     input)
       spare=$(( $(nproc) - 1 ))
       python3 benchmarks/input_throughput.py --model=ViT-B/16 \
@@ -87,7 +92,7 @@ for part in "${parts[@]}"; do
         --steps=4 --rounds=2 2>&1 | tee "$out/input_throughput.txt"
       ;;
     *) echo "unknown part $part: tests, fashion_mnist, dispatch," \
-         "throughput or input"
+         "throughput, flags or input"
        exit 2 ;;
   esac
 done

@@ -358,6 +358,26 @@ def test_throughput_benchmark_names_the_cpu_and_its_isa():
 
 
 @pytest.mark.slow
+def test_gpu_flags_benchmark_compares_its_variants():
+  """benchmarks/gpu_flags.py at a toy size (on a CPU the GPU options
+  compile and change nothing): one row per variant, the summary parses."""
+  result = run_python(
+      "benchmarks/gpu_flags.py", "--model=ViT-Ti/16", "--batch=2",
+      "--rounds=1", "--steps=1", "--variants=no Triton GEMMs,einsum attention",
+      timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.strip().splitlines()
+  rows = [line for line in lines if re.match(r"\| (as is|no Triton GEMMs|"
+                                             r"einsum attention) \|", line)]
+  assert len(rows) == 3, lines
+  assert float(rows[0].split("|")[4]) == 1.0  # as is against itself
+  summary = re.fullmatch(r'summary: best="([^"]+)" best_over_as_is=([\d.]+)',
+                         lines[-1])
+  assert summary and summary.group(1) in lines[-1], lines[-1]
+  assert 0.0 < float(summary.group(2)) <= 1.0
+
+
+@pytest.mark.slow
 def test_input_benchmark_prints_its_summary(tmp_path):
   """benchmarks/input_throughput.py at toy sizes: every part runs and the
   summary line parses; the worker's memory is a light process's (the

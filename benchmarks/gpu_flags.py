@@ -1,0 +1,146 @@
+r"""XLA:GPU compiler options for vit_jax's train step, side by side in one
+process.
+
+  python benchmarks/gpu_flags.py                      # ViT-L/16, batch 128
+  python benchmarks/gpu_flags.py --model=ViT-B/16 --batch=256 --rounds=5
+  python benchmarks/gpu_flags.py --variants="as is,no Triton GEMMs"
+
+The train step of benchmarks/gpu_throughput.py's vit_jax worker (bfloat16
+compute, float32 parameters and AdamW state, cuDNN's flash attention) is
+compiled once per variant below, each a dict of XLA debug options passed
+as `compiler_options` to that one compilation (the process's XLA_FLAGS
+stay as they are), plus one variant with the model's einsums in place of
+cuDNN's attention. Then the variants take turns: --rounds rounds, each
+variant --steps steps from the same state in every round, so all of them
+see the same GPU state and clocks; a difference of a couple of percent
+shows. A variant whose options this XLA does not know is reported as
+failed, and the rest run on.
+
+Prints each variant's compile seconds, its median step and the as-is
+step over it (above 1: the variant is faster), then
+  summary: best=… best_over_as_is=…
+(below 1: the best variant's step is that much shorter). Why these
+variants: docs/gpu.md, *Where the ViT-L/16 train step's time goes*.
+"""
+
+import argparse
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from vit_jax.model import variants
+from vit_jax.runtime import sharding
+from vit_jax.training import optim, steps
+
+IMAGE_SIZE, NUM_CLASSES = 224, 1000
+# name: XLA debug options (compiler_options), or None for the einsums.
+VARIANTS = {
+    "as is": {},
+    # cuBLAS for the products XLA now gives its Triton GEMM emitter.
+    "no Triton GEMMs": {"xla_gpu_enable_triton_gemm": False},
+    # cuDNN's LayerNorm kernels for XLA's LayerNorm reductions.
+    "cuDNN LayerNorm": {"xla_gpu_enable_cudnn_layer_norm": True},
+    # cuDNN's GEMM fusions (a product with its elementwise neighbours).
+    "cuDNN GEMM fusions": {"xla_gpu_cudnn_gemm_fusion_level": 2},
+    "cuBLASLt": {"xla_gpu_enable_cublaslt": True},
+    # What cuDNN's flash attention buys over the einsums.
+    "einsum attention": None,
+}
+
+
+def _preprocess(images, key):
+  del key
+  return (images.astype(jnp.float32) - 127.5) / 127.5
+
+
+def _train_step(model_name: str, attention: str):
+  """The model's jitted train step (no donation: every variant steps from
+  the same state) and its state."""
+  model_config = variants.get_variant(model_name)
+  model_config.dtype = "bfloat16"
+  model_config.attention_implementation = attention
+  model = variants.build_model(model_config, NUM_CLASSES)
+  state = steps.create_train_state(
+      model, (IMAGE_SIZE, IMAGE_SIZE, 3),
+      optim.adamw(1e-3, weight_decay=0.05), 0, sharding.make_mesh())
+  step = jax.jit(functools.partial(
+      steps.train_step, preprocess=_preprocess, label_smoothing=0.0,
+      learning_rate_fn=lambda _: 1e-3))
+  return step, state
+
+
+def _compile(step, state, batch, options):
+  start = time.perf_counter()
+  compiled = step.lower(state, *batch).compile(compiler_options=options)
+  return compiled, time.perf_counter() - start
+
+
+def _timed_round(compiled, state, batch, num_steps: int) -> float:
+  """Seconds per step of num_steps steps run back to back."""
+  jax.block_until_ready(compiled(state, *batch))  # warm, and after a switch
+  start = time.perf_counter()
+  for _ in range(num_steps):  # only the last output kept: one new state
+    output = compiled(state, *batch)
+  jax.block_until_ready(output)
+  return (time.perf_counter() - start) / num_steps
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--model", default="ViT-L/16")
+  parser.add_argument("--batch", type=int, default=128)
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--variants", default=",".join(VARIANTS),
+                      help="comma-separated names from VARIANTS; 'as is' "
+                      "always runs")
+  args = parser.parse_args()
+  chosen = {"as is", *args.variants.split(",")}
+  unknown = chosen - set(VARIANTS)
+  if unknown:
+    parser.error(f"unknown variants {sorted(unknown)}; choose from "
+                 f"{list(VARIANTS)}")
+  print(f"Command: python benchmarks/gpu_flags.py --model={args.model} "
+        f"--batch={args.batch} --rounds={args.rounds} --steps={args.steps} "
+        f"--variants=\"{args.variants}\"")
+  print(f"Device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
+  key = jax.random.PRNGKey(0)
+  batch = (jax.random.randint(key, (args.batch, IMAGE_SIZE, IMAGE_SIZE, 3),
+                              0, 256).astype(jnp.uint8),
+           jax.random.randint(key, (args.batch,), 0, NUM_CLASSES))
+  programs = {}
+  for attention in ("auto", "einsum"):
+    if attention == "einsum" and "einsum attention" not in chosen:
+      continue
+    step, state = _train_step(args.model, attention)
+    for name, options in VARIANTS.items():
+      if name not in chosen or (options is None) != (attention == "einsum"):
+        continue
+      try:
+        compiled, seconds = _compile(step, state, batch, options or {})
+      except Exception as error:  # pylint: disable=broad-except
+        print(f"{name}: failed to compile: {str(error)[:300]}")
+        continue
+      programs[name] = (compiled, state)
+      print(f"{name}: compiled in {seconds:.1f} s", flush=True)
+  times = {name: [] for name in programs}
+  for _ in range(args.rounds):
+    for name, (compiled, state) in programs.items():
+      times[name].append(_timed_round(compiled, state, batch, args.steps))
+  base = statistics.median(times["as is"])
+  print("\n| variant | ms a step (median) | images/s | vs as is |")
+  print("|---|---:|---:|---:|")
+  for name, rounds in times.items():
+    median = statistics.median(rounds)
+    print(f"| {name} | {1e3 * median:.1f} | {args.batch / median:.0f} | "
+          f"{base / median:.3f} |")
+  best = min(times, key=lambda name: statistics.median(times[name]))
+  print(f"summary: best=\"{best}\" best_over_as_is="
+        f"{statistics.median(times[best]) / base:.3f}")
+
+
+if __name__ == "__main__":
+  main()
