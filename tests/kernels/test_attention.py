@@ -33,10 +33,19 @@ def _params_and_images(**overrides):
   return params, images
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("classifier", ["token", "gap"])
-def test_xla_dot_product_attention_gives_the_einsums_values(classifier):
+def test_xla_dot_product_attention_gives_the_einsums_values(
+    classifier, padded, monkeypatch):
   """Logits and gradients agree to float rounding, with the class-token-only
-  last block ("token") and with a full one ("gap")."""
+  last block ("token": 10 tokens, 1 query in the last block) and with a
+  full one ("gap": 9 tokens); padded: with the projections padded to even
+  token counts as for cuDNN, the padding masked out as keys and dropped as
+  queries."""
+  if padded:
+    monkeypatch.setattr(attention, "needs_even_tokens",
+                        lambda implementation: implementation == "xla")
+    jax.clear_caches()  # blocks traced unpadded by earlier tests trace again
   params, images = _params_and_images(classifier=classifier)
 
   def logits_and_grads(implementation):  # ((loss, logits), grads)
@@ -158,71 +167,82 @@ def test_cudnn_whatever_the_token_counts():
       "auto", jnp.bfloat16, 64, device=_Device("gpu", "9.0")) == "cudnn"
 
 
-def _qkv(query_tokens, key_tokens, seed=0):
+def _qkv(query_tokens, key_tokens, batch=2, seed=0):
   keys = jax.random.split(jax.random.PRNGKey(seed), 3)
-  shape = lambda tokens: (2, tokens, 3, 16)  # (B, T, heads, head_dim)
+  shape = lambda tokens: (batch, tokens, 3, 16)  # (B, T, heads, head_dim)
   return (jax.random.normal(keys[0], shape(query_tokens)),
           jax.random.normal(keys[1], shape(key_tokens)),
           jax.random.normal(keys[2], shape(key_tokens)))
 
 
 @pytest.mark.parametrize("query_tokens, key_tokens",
-                         [(197, 197), (1, 197), (196, 196), (3, 8)])
-def test_padding_to_even_keeps_values_and_gradients(query_tokens,
-                                                    key_tokens):
-  """Through inputs padded by a masked zero token: the values and
-  gradients of unpadded attention (XLA's implementation, float32, which
-  takes the same key_value_seq_lengths mask as cuDNN)."""
+                         [(197, 197), (1, 197), (3, 8)])
+def test_padded_keys_are_masked_out(query_tokens, key_tokens):
+  """Padded to even counts with zero tokens and key_tokens given: the
+  values and gradients of the unpadded attention (XLA's implementation,
+  which takes the same key_value_seq_lengths mask as cuDNN)."""
   qkv = _qkv(query_tokens, key_tokens)
-  loss = lambda attend: lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v)))
-  padded = lambda q, k, v: attention.padded_to_even(q, k, v, "xla")
+  padded = lambda q, k, v: attention.dot_product_attention(
+      *map(attention.pad_to_even, (q, k, v)), "xla",
+      key_tokens=key_tokens)[:, :query_tokens]
   plain = lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, scale=q.shape[-1] ** -0.5, implementation="xla")
-  assert padded(*qkv).shape == qkv[0].shape
+  assert attention.pad_to_even(qkv[1]).shape[1] == key_tokens + key_tokens % 2
   np.testing.assert_allclose(padded(*qkv), plain(*qkv), rtol=1e-5,
                              atol=1e-6)
+  loss = lambda attend: lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v)))
   grads = jax.grad(loss(padded), argnums=(0, 1, 2))(*qkv)
   expected = jax.grad(loss(plain), argnums=(0, 1, 2))(*qkv)
   for grad, reference in zip(grads, expected):
     np.testing.assert_allclose(grad, reference, rtol=1e-4, atol=1e-5)
 
 
-def test_padding_to_even_splits_over_the_batch_like_its_inputs():
-  """Sharded over the batch (a device each), the padded attention gives the
-  unsharded values and keeps the batch split (the key mask is made from
-  the keys, so it is split with them)."""
+def test_the_key_mask_splits_over_the_batch_like_the_keys():
+  """Sharded over the batch (a device each), masked attention gives the
+  unsharded values and keeps the batch split (the mask's lengths are made
+  from the keys, so they are split with them)."""
   devices = jax.devices()[:8]
   mesh = jax.sharding.Mesh(np.array(devices), ("data",))
   split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-  keys = jax.random.split(jax.random.PRNGKey(3), 3)
-  qkv = [jax.random.normal(k, (len(devices), 197, 3, 16)) for k in keys]
-  attend = jax.jit(lambda q, k, v: attention.padded_to_even(q, k, v, "xla"))
+  qkv = [attention.pad_to_even(x)
+         for x in _qkv(197, 197, batch=len(devices), seed=3)]
+  attend = jax.jit(lambda q, k, v: attention.dot_product_attention(
+      q, k, v, "xla", key_tokens=197))
   sharded = attend(*[jax.device_put(x, split) for x in qkv])
   assert sharded.sharding.is_equivalent_to(split, sharded.ndim)
   np.testing.assert_allclose(sharded, attend(*qkv), rtol=1e-6, atol=1e-6)
 
 
-def test_cudnn_gets_even_token_counts_and_a_key_mask(monkeypatch):
-  """What `dot_product_attention` hands JAX for cuDNN (recorded, then run
-  by XLA's implementation here, where no GPU is)."""
-  calls = []
+@pytest.mark.parametrize("classifier, calls", [
+    # One call per distinct block (the blocks share a trace). 10 tokens:
+    # as they are; the last block's single query padded.
+    ("token", [(10, 10, False), (2, 10, False)]),
+    # 9 tokens: padded to 10, the tenth key masked out.
+    ("gap", [(10, 10, True)])])
+def test_cudnn_gets_even_token_counts_and_a_key_mask(classifier, calls,
+                                                     monkeypatch):
+  """What the model hands `jax.nn.dot_product_attention` for cuDNN
+  (recorded, then run by XLA's implementation here, where no GPU is): the
+  query and key token counts, and whether a key mask comes (its values:
+  test_xla_dot_product_attention_gives_the_einsums_values, padded)."""
+  assert attention.needs_even_tokens("cudnn")
+  recorded = []
   original = jax.nn.dot_product_attention
 
   def recording(query, key, value, **kwargs):
-    calls.append((query.shape[1], key.shape[1],
-                  kwargs.get("key_value_seq_lengths")))
+    recorded.append((query.shape[1], key.shape[1],
+                     kwargs.get("key_value_seq_lengths") is not None))
     return original(query, key, value, **{**kwargs, "implementation": "xla"})
 
   monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
-  for query_tokens, key_tokens in ((197, 197), (1, 197), (196, 196)):
-    out = attention.dot_product_attention(*_qkv(query_tokens, key_tokens),
-                                          "cudnn")
-    assert out.shape == (2, query_tokens, 3, 16)
-  (q1, k1, lengths1), (q2, k2, lengths2), (q3, k3, lengths3) = calls
-  assert (q1, k1, q2, k2, q3, k3) == (198, 198, 2, 198, 196, 196)
-  np.testing.assert_array_equal(lengths1, [197, 197])
-  np.testing.assert_array_equal(lengths2, [197, 197])
-  assert lengths3 is None  # even counts go as they are
+  monkeypatch.setattr(attention, "needs_even_tokens",
+                      lambda implementation: implementation == "xla")
+  jax.clear_caches()  # blocks traced by earlier tests trace again
+  params, images = _params_and_images(classifier=classifier)
+  model = vit.VisionTransformer(**_DIMS, classifier=classifier,
+                                attention_implementation="xla")
+  assert model.apply(params, images).shape == (3, 5)
+  assert recorded == calls
 
 
 def test_einsums_whenever_probabilities_or_masks_are_needed():

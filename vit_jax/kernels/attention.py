@@ -100,42 +100,46 @@ def fused_implementation(requested: str, dtype: Any, head_dim: int, *,
   return requested
 
 
+def needs_even_tokens(implementation: Optional[str]) -> bool:
+  """Whether `implementation` must get even token counts (see
+  `dot_product_attention`): cuDNN's. The model then pads its projections
+  by one token where a count is odd."""
+  return implementation == "cudnn"
+
+
+def pad_to_even(tokens: jax.Array) -> jax.Array:
+  """tokens (B, T, ...) with a zero token appended where T is odd."""
+  padding = [(0, 0)] * tokens.ndim
+  padding[1] = (0, tokens.shape[1] % 2)
+  return jnp.pad(tokens, padding)
+
+
 def dot_product_attention(query: jax.Array, key: jax.Array,
-                          value: jax.Array, implementation: str
-                          ) -> jax.Array:
+                          value: jax.Array, implementation: str,
+                          key_tokens: Optional[int] = None) -> jax.Array:
   """softmax(Q K^T / sqrt(head_dim)) V by `jax.nn.dot_product_attention`.
 
   query: (B, Tq, heads, head_dim); key, value: (B, Tk, heads, head_dim);
   returns (B, Tq, heads, head_dim). implementation: "xla" or "cudnn".
+  key_tokens: only the first key_tokens keys count, the rest are padding
+  (masked out by cuDNN's padding mask, `key_value_seq_lengths`, which
+  needs no bias); None: all of them.
 
-  cuDNN gets even token counts: JAX 0.11's cuDNN path raises "Unsupported
-  sequence length Q 197, KV 197" when it differentiates odd ones (its
-  check takes the placeholder of an absent bias for a bias), and every
-  class-token ViT at 224 px has 197 tokens (the last block's class-token
-  queries: 1). So odd counts are padded by one zero token, which is masked
-  out as a key (cuDNN's padding mask: `key_value_seq_lengths`, no bias)
-  and dropped as a query.
+  Why padding: JAX 0.11's cuDNN path raises "Unsupported sequence length
+  Q 197, KV 197" when it differentiates odd token counts (its check takes
+  the placeholder of an absent bias for a bias), and every class-token ViT
+  at 224 px has 197 tokens (the last block's class-token queries: 1). So
+  where `needs_even_tokens`, the model pads its projections to even
+  counts (`pad_to_even`) and drops the padded queries after the output
+  projection.
   """
-  if implementation == "cudnn" and (query.shape[1] % 2 or key.shape[1] % 2):
-    return padded_to_even(query, key, value, implementation)
+  lengths = None
+  if key_tokens is not None and key_tokens != key.shape[1]:
+    # From key itself, so that it is split over the batch like key is.
+    lengths = jnp.full_like(key[:, 0, 0, 0], key_tokens, jnp.int32)
   return jax.nn.dot_product_attention(
       query, key, value, scale=query.shape[-1] ** -0.5,
-      implementation=implementation)
-
-
-def padded_to_even(query: jax.Array, key: jax.Array, value: jax.Array,
-                   implementation: str) -> jax.Array:
-  """`dot_product_attention` through inputs padded to even token counts:
-  the same values and gradients (tested with "xla" on a CPU)."""
-  def pad(tokens):
-    return jnp.pad(tokens, ((0, 0), (0, tokens.shape[1] % 2), (0, 0),
-                            (0, 0)))
-  # From key itself, so that it is split over the batch like key is.
-  key_tokens = jnp.full_like(key[:, 0, 0, 0], key.shape[1], jnp.int32)
-  attended = jax.nn.dot_product_attention(
-      pad(query), pad(key), pad(value), scale=query.shape[-1] ** -0.5,
-      key_value_seq_lengths=key_tokens, implementation=implementation)
-  return attended[:, :query.shape[1]]
+      key_value_seq_lengths=lengths, implementation=implementation)
 
 
 def _row_max(x: jax.Array) -> jax.Array:

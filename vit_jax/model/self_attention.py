@@ -93,6 +93,7 @@ class MultiHeadSelfAttention(nn.Module):
         capturing=self.is_mutable_collection("intermediates"),
         dropout=bool(self.attention_dropout_rate) and not deterministic,
         locality=self.locality)
+    even_tokens = attention.needs_even_tokens(fused)
 
     def project(inputs, names):
       """(B, T, D) -> a (B, heads, T, head_dim) per name for the einsums,
@@ -114,10 +115,13 @@ class MultiHeadSelfAttention(nn.Module):
           operand_dtype=self.matmul_dtype) + bias, inputs)
       outputs = outputs.reshape(*outputs.shape[:2], len(names),
                                 self.num_heads, head_dim)
+      if even_tokens:  # before the transpose, which XLA fuses it into
+        outputs = attention.pad_to_even(outputs)
       token_major = fused in ("xla", "cudnn")
       order = (2, 0, 1, 3, 4) if token_major else (2, 0, 3, 1, 4)
       return list(jnp.transpose(outputs, order))
 
+    query_tokens = num_query_tokens or x.shape[1]
     if num_query_tokens is None:
       query, key, value = project(x, ("query", "key", "value"))
     else:  # only the first num_query_tokens tokens query
@@ -136,8 +140,12 @@ class MultiHeadSelfAttention(nn.Module):
           query / jnp.sqrt(head_dim).astype(self.dtype), key, value)
       return per_token(output, jnp.swapaxes(attended, 1, 2))
     if fused is not None:
-      return per_token(output, attention.dot_product_attention(
-          query, key, value, fused))
+      attended = attention.dot_product_attention(
+          query, key, value, fused,
+          key_tokens=x.shape[1] if even_tokens else None)
+      # Padded queries dropped after the output projection: the slice then
+      # fuses into the residual addition that follows.
+      return per_token(output, attended)[:, :query_tokens]
 
     temperature = (self.param("temperature",
                               nn.initializers.constant(head_dim ** 0.5), (),
