@@ -31,11 +31,12 @@ import time
 import jax
 import jax.numpy as jnp
 
+# The race's sizes and preprocessing (benchmarks/, beside this file).
+from gpu_throughput import IMAGE_SIZE, NUM_CLASSES, preprocess
 from vit_jax.model import variants
 from vit_jax.runtime import sharding
 from vit_jax.training import optim, steps
 
-IMAGE_SIZE, NUM_CLASSES = 224, 1000
 # name: XLA debug options (compiler_options), or None for the einsums.
 VARIANTS = {
     "as is": {},
@@ -51,11 +52,6 @@ VARIANTS = {
 }
 
 
-def _preprocess(images, key):
-  del key
-  return (images.astype(jnp.float32) - 127.5) / 127.5
-
-
 def _train_step(model_name: str, attention: str):
   """The model's jitted train step (no donation: every variant steps from
   the same state) and its state."""
@@ -67,7 +63,7 @@ def _train_step(model_name: str, attention: str):
       model, (IMAGE_SIZE, IMAGE_SIZE, 3),
       optim.adamw(1e-3, weight_decay=0.05), 0, sharding.make_mesh())
   step = jax.jit(functools.partial(
-      steps.train_step, preprocess=_preprocess, label_smoothing=0.0,
+      steps.train_step, preprocess=preprocess, label_smoothing=0.0,
       learning_rate_fn=lambda _: 1e-3))
   return step, state
 

@@ -90,7 +90,9 @@ def _median_step_seconds(run_steps, synchronize) -> float:
   return statistics.median(rounds)
 
 
-def _preprocess(images, key):
+def preprocess(images, key):
+  """uint8 images to [-1, 1] float32 (the on-device preprocessing of every
+  vit_jax worker here and in gpu_flags.py)."""
   del key
   return (images.astype("float32") - 127.5) / 127.5
 
@@ -125,7 +127,7 @@ def jax_worker(name: str, mode: str, batch: int, profile_dir: str = "",
     jax.block_until_ready(state)
     start = time.perf_counter()
     step = jax.jit(functools.partial(
-        steps.train_step, preprocess=_preprocess, label_smoothing=0.0,
+        steps.train_step, preprocess=preprocess, label_smoothing=0.0,
         learning_rate_fn=lambda _: 1e-3), donate_argnums=0)
     compiled = step.lower(state, images, labels).compile()
     stepper = _TrainSteps(compiled, state, images, labels)
@@ -137,7 +139,7 @@ def jax_worker(name: str, mode: str, batch: int, profile_dir: str = "",
     jax.block_until_ready(params)
     start = time.perf_counter()
     compiled = jax.jit(lambda p, x: model.apply(
-        {"params": p}, _preprocess(x, None))).lower(params, images).compile()
+        {"params": p}, preprocess(x, None))).lower(params, images).compile()
     outputs = []
 
     def run_steps(n):
