@@ -3,7 +3,7 @@
 Each line is {"step": ..., "split": "train" | "eval", <metric>: value, ...};
 `pandas.read_json(path, lines=True)` or a two-line loop reads it back for
 plots. The same scalars go to `workdir/events.out.tfevents.*` as
-"<split>/<metric>" (tensorboardX: no TensorFlow), so
+"<split>/<metric>" (`event_file`: no TensorFlow), so
 `tensorboard --logdir WORKDIR` shows them. Only process 0 writes.
 """
 
@@ -15,7 +15,8 @@ from typing import Mapping, Optional, Sequence, TextIO
 
 import jax
 import numpy as np
-import tensorboardX
+
+from vit_jax.training import event_file
 
 
 # What the inspection tools need to run a trained model without its dataset.
@@ -84,8 +85,8 @@ class MetricWriter:
     self._tensorboard = None
     if self._enabled:
       # purge_step hides events of steps that will be run again, as below.
-      self._tensorboard = tensorboardX.SummaryWriter(
-          logdir=workdir, purge_step=resume_step + 1 if resume_step else None)
+      self._tensorboard = event_file.EventFileWriter(
+          workdir, purge_step=resume_step + 1 if resume_step else None)
     if self._enabled and os.path.exists(self.path):
       records = read_metrics(workdir)
       kept = [r for r in records if r["step"] <= resume_step]
