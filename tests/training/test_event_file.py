@@ -66,7 +66,7 @@ def test_a_resumed_run_hides_the_steps_it_runs_again(tmp_path):
 
 def test_training_and_its_input_workers_do_not_import_pytorch():
   """tensorboardX imported PyTorch where it is installed: seconds and
-  hundreds of MB in every process that logs or decodes images."""
+  hundreds of MB at the start of every command."""
   code = ("import sys; import vit_jax.training.loop, vit_jax.data.streaming,"
           " vit_jax.inspection.tools, vit_jax.cli; "
           "print('torch' in sys.modules)")

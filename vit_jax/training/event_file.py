@@ -13,8 +13,9 @@ three messages:
   SessionLog {1: status enum (START = 1)}
 
 This module encodes those few fields itself: tensorboardX, which vit_jax used
-before, imports PyTorch when it is installed (2-3 s and ~600 MB in every
-process that logs, the input pipeline's workers included).
+before, imports PyTorch where it is installed, which cost every command
+(`main.py`'s training and inspection modes alike) 2-3 s of start-up and
+~600 MB of memory.
 """
 
 import functools
