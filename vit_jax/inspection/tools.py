@@ -96,11 +96,12 @@ def load_trained(config: ml_collections.ConfigDict, workdir: str
 
 
 def summary(config: ml_collections.ConfigDict, num_classes: int = 10) -> str:
-  """Shape trace, parameter table and FLOPs of `config.model` (fresh init)."""
+  """Shape trace, parameter table and FLOPs of `config.model`, from its
+  shapes alone: nothing is initialised or compiled."""
   image_shape = config_lib.image_shape_of(config)
   model = variants.build_model(config.model, num_classes)
   images = jnp.zeros((1, *image_shape), jnp.float32)
-  params = jax.jit(model.init)(jax.random.PRNGKey(0), images)["params"]
+  params = jax.eval_shape(model.init, jax.random.PRNGKey(0), images)["params"]
   forward = introspect.flops_per_image(model, params, image_shape)
   train = introspect.flops_per_image(model, params, image_shape, train=True)
   return "\n\n".join([
