@@ -64,7 +64,7 @@ def test_a_resumed_run_hides_the_steps_it_runs_again(tmp_path):
       [(step, 2.0) for step in range(6, 9)])
 
 
-def test_training_and_its_input_workers_do_not_import_pytorch():
+def test_the_trainer_tools_and_command_line_do_not_import_pytorch():
   """tensorboardX imported PyTorch where it is installed: seconds and
   hundreds of MB at the start of every command."""
   code = ("import sys; import vit_jax.training.loop, vit_jax.data.streaming,"
