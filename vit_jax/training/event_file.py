@@ -1,10 +1,10 @@
 """TensorBoard event files of scalars, written without TensorFlow or
 tensorboardX.
 
-An event file is a sequence of records, each an `Event` protocol buffer
-framed as TFRecord frames it: the length (uint64, little-endian), a masked
-CRC-32C of those 8 bytes, the bytes, and their masked CRC-32C. Scalars need
-three messages:
+An event file is a sequence of records, each an `Event` protocol buffer in
+a TFRecord frame: its length (uint64, little-endian), a masked CRC-32C of
+those 8 bytes, the bytes, and their masked CRC-32C. Scalars need four
+messages:
 
   Event      {1: wall_time double, 2: step int64, 3: file_version string,
               5: summary Summary, 7: session_log SessionLog}
@@ -79,28 +79,32 @@ def _length_delimited(field: int, payload: bytes) -> bytes:
   return _key(field, 2) + _varint(len(payload)) + payload
 
 
+def _event(wall_time: float, step: int, what: bytes) -> bytes:
+  """An Event: its time and step, then `what` (one field of its oneof)."""
+  return (_key(1, 1) + struct.pack("<d", wall_time) + _key(2, 0) +
+          _varint(step) + what)
+
+
 def scalar_event(tag: str, value: float, step: int,
                  wall_time: float) -> bytes:
   """An Event holding one scalar summary value."""
   summary_value = (_length_delimited(1, tag.encode()) +
                    _key(2, 5) + struct.pack("<f", value))
-  summary = _length_delimited(1, summary_value)
-  return (_key(1, 1) + struct.pack("<d", wall_time) +
-          _key(2, 0) + _varint(step) + _length_delimited(5, summary))
+  return _event(wall_time, step,
+                _length_delimited(5, _length_delimited(1, summary_value)))
 
 
-def header_event(wall_time: float, step: int = 0) -> bytes:
+def header_event(wall_time: float) -> bytes:
   """The first Event of a file, naming the format version."""
-  return (_key(1, 1) + struct.pack("<d", wall_time) + _key(2, 0) +
-          _varint(step) + _length_delimited(3, b"brain.Event:2"))
+  return _event(wall_time, 0, _length_delimited(3, b"brain.Event:2"))
 
 
 def session_start_event(wall_time: float, step: int) -> bytes:
   """SessionLog START at `step`: TensorBoard then hides the events of this
   run's files from step on that were written before it (a resumed run's
   steps that will be run again)."""
-  return (_key(1, 1) + struct.pack("<d", wall_time) + _key(2, 0) +
-          _varint(step) + _length_delimited(7, _key(1, 0) + _varint(1)))
+  return _event(wall_time, step,
+                _length_delimited(7, _key(1, 0) + _varint(1)))
 
 
 class EventFileWriter:
