@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-import scipy.ndimage
 from etils import epath  # orbax's path type; installed with orbax
 from flax import traverse_util
 
@@ -120,6 +119,7 @@ def resize_pos_embedding(pos_embedding: np.ndarray,
   if tuple(old_grid) == tuple(new_grid):
     return pos_embedding
   if method == "bilinear":
+    import scipy.ndimage  # pylint: disable=g-import-not-at-top  # 0.2 s; only here
     zoom = (new_grid[0] / old_grid[0], new_grid[1] / old_grid[1], 1)
     resized = scipy.ndimage.zoom(grid, zoom, order=1)
   else:
