@@ -235,18 +235,7 @@ def _check_choice(config, key: str, choices) -> None:
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the key and the fix for an impossible config."""
-  positive = ("batch_size", "eval_batch_size", "log_every_steps",
-              "eval_every_epochs", "checkpoint_every_steps",
-              "keep_checkpoints", "steps_per_dispatch")
-  for key in positive:
-    if config[key] <= 0:
-      raise ValueError(f"config.{key}={config[key]} must be positive.")
-  if config.num_train_steps is None and config.num_epochs <= 0:
-    raise ValueError(f"config.num_epochs={config.num_epochs} must be positive "
-                     "(or set config.num_train_steps).")
-  if not 0.0 <= config.label_smoothing < 1.0:
-    raise ValueError(f"config.label_smoothing={config.label_smoothing} must "
-                     "be in [0, 1).")
+  _check_ranges(config)
   _check_choice(config, "optimizer", optim.OPTIMIZERS)
   _check_choice(config, "trainable", optim.TRAINABLE)
   _check_choice(config, "normalization", augment.NORMALIZATIONS)
@@ -255,27 +244,38 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _check_choice(config, "auto_augment", augment.AUTO_AUGMENTS)
   _check_choice(config, "data_pipeline", file_sources.PIPELINES)
   _validate_file_data(config)
-  if config.model.posemb not in vit.POSITION_EMBEDDINGS:
-    raise ValueError(
-        f"config.model.posemb={config.model.posemb!r} is not supported; "
-        f"choose one of {vit.POSITION_EMBEDDINGS}.")
-  for key in ("random_erasing", "ema_decay", "model.drop_path_rate",
-              "model.patch_dropout_rate"):
-    value = (config.model[key.removeprefix("model.")]
-             if key.startswith("model.") else config[key])
-    if not 0.0 <= value < 1.0:
-      raise ValueError(f"config.{key}={value} must be in [0, 1).")
+  _check_combinations(config)
+  sharding.mesh_shape(config.mesh, jax.device_count())  # raises if unfit
+  _check_model(config)
+
+
+def _value(config: ml_collections.ConfigDict, key: str):
+  """config's value at a dotted key such as "model.drop_path_rate"."""
+  for part in key.split("."):
+    config = config[part]
+  return config
+
+
+def _check_ranges(config: ml_collections.ConfigDict) -> None:
+  """Each number in its range."""
+  for key in ("batch_size", "eval_batch_size", "log_every_steps",
+              "eval_every_epochs", "checkpoint_every_steps",
+              "keep_checkpoints", "steps_per_dispatch"):
+    if config[key] <= 0:
+      raise ValueError(f"config.{key}={config[key]} must be positive.")
+  if config.num_train_steps is None and config.num_epochs <= 0:
+    raise ValueError(f"config.num_epochs={config.num_epochs} must be positive "
+                     "(or set config.num_train_steps).")
+  for key in ("label_smoothing", "random_erasing", "ema_decay",
+              "model.drop_path_rate", "model.patch_dropout_rate"):
+    if not 0.0 <= _value(config, key) < 1.0:
+      raise ValueError(f"config.{key}={_value(config, key)} must be in "
+                       "[0, 1).")
   for key in ("mixup_alpha", "cutmix_alpha", "sam_rho",
               "unmasked_tuning_epochs"):
     if config[key] < 0:
       raise ValueError(f"config.{key}={config[key]} must be >= 0 (0 "
                        "disables it).")
-  if config.unmasked_tuning_epochs and not config.model.patch_dropout_rate:
-    raise ValueError(
-        f"config.unmasked_tuning_epochs={config.unmasked_tuning_epochs} "
-        "tunes a model trained with patch dropout on every patch, but "
-        "config.model.patch_dropout_rate is 0: set a rate, or set "
-        "unmasked_tuning_epochs=0.")
   if config.unmasked_tuning_learning_rate <= 0:
     raise ValueError(f"config.unmasked_tuning_learning_rate="
                      f"{config.unmasked_tuning_learning_rate} must be > 0.")
@@ -285,20 +285,34 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if not 0.0 <= config.randaugment_magnitude <= 10.0:
     raise ValueError(f"config.randaugment_magnitude="
                      f"{config.randaugment_magnitude} must be in [0, 10].")
-  if config.accum_steps < 1 or config.batch_size % config.accum_steps:
-    raise ValueError(
-        f"config.accum_steps={config.accum_steps} must be >= 1 and divide "
-        f"config.batch_size={config.batch_size}.")
   if config.time_budget_minutes < 0:
     raise ValueError(f"config.time_budget_minutes={config.time_budget_minutes}"
                      " must be >= 0 (0: train num_epochs or num_train_steps).")
   if config.image_size is not None and config.image_size <= 0:
     raise ValueError(f"config.image_size={config.image_size} must be "
                      "positive (or None to keep the dataset's size).")
-  sharding.mesh_shape(config.mesh, jax.device_count())  # raises if unfit
   if config.fsdp_min_size < 0:
     raise ValueError(f"config.fsdp_min_size={config.fsdp_min_size} must be "
                      ">= 0.")
+  if not 0.0 < config.min_crop_area <= 1.0:
+    raise ValueError(f"config.min_crop_area={config.min_crop_area} must be "
+                     "in (0, 1].")
+  if config.crop_padding < 0:
+    raise ValueError(f"config.crop_padding={config.crop_padding} must be >= 0.")
+
+
+def _check_combinations(config: ml_collections.ConfigDict) -> None:
+  """Settings that are each fine but not together, and init_from's file."""
+  if config.unmasked_tuning_epochs and not config.model.patch_dropout_rate:
+    raise ValueError(
+        f"config.unmasked_tuning_epochs={config.unmasked_tuning_epochs} "
+        "tunes a model trained with patch dropout on every patch, but "
+        "config.model.patch_dropout_rate is 0: set a rate, or set "
+        "unmasked_tuning_epochs=0.")
+  if config.accum_steps < 1 or config.batch_size % config.accum_steps:
+    raise ValueError(
+        f"config.accum_steps={config.accum_steps} must be >= 1 and divide "
+        f"config.batch_size={config.batch_size}.")
   if config.init_from is not None and not os.path.exists(config.init_from):
     raise ValueError(
         f"config.init_from={config.init_from!r}: no such file or folder. "
@@ -309,13 +323,15 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(
         "config.random_resized_crop=True and config.crop_padding="
         f"{config.crop_padding} are two crops; set crop_padding=0.")
-  if not 0.0 < config.min_crop_area <= 1.0:
-    raise ValueError(f"config.min_crop_area={config.min_crop_area} must be "
-                     "in (0, 1].")
-  if config.crop_padding < 0:
-    raise ValueError(f"config.crop_padding={config.crop_padding} must be >= 0.")
 
+
+def _check_model(config: ml_collections.ConfigDict) -> None:
+  """The model's settings, and that it fits the images."""
   model = config.model
+  if model.posemb not in vit.POSITION_EMBEDDINGS:
+    raise ValueError(
+        f"config.model.posemb={model.posemb!r} is not supported; "
+        f"choose one of {vit.POSITION_EMBEDDINGS}.")
   height, width, channels = image_shape_of(config)
   if height % model.patch_size or width % model.patch_size:
     raise ValueError(

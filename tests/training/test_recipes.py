@@ -17,6 +17,7 @@ from vit_jax.data import datasets, input_pipeline
 from vit_jax.model import options, variants, vit
 from vit_jax.runtime import sharding
 from vit_jax.training import loop, optim, steps
+from vit_jax.training import run as run_lib
 
 
 class _DropPath(nn.Module):
@@ -227,7 +228,7 @@ def test_trainer_runs_with_every_recipe_component(tmp_path, capsys):
   assert resumed["accuracy"] == metrics["accuracy"]
   assert resumed["ema_loss"] == metrics["ema_loss"]
   assert resumed["ema_accuracy"] == metrics["ema_accuracy"]
-  run, state, start_step, _ = loop.build_run(config, str(tmp_path))
+  run, state, start_step, _ = run_lib.build_run(config, str(tmp_path))
   orbax_checkpoints.finish(run.manager)
   run.writer.close()
   assert start_step == 4

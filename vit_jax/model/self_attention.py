@@ -87,46 +87,21 @@ class MultiHeadSelfAttention(nn.Module):
                                          self.param_dtype, name=name)(
                                              hidden_size)
                    for name in ("query", "key", "value")}
-
     fused = attention.fused_implementation(
         self.implementation, self.dtype, head_dim,
         capturing=self.is_mutable_collection("intermediates"),
         dropout=bool(self.attention_dropout_rate) and not deterministic,
         locality=self.locality)
-    even_tokens = attention.needs_even_tokens(fused)
-
-    def project(inputs, names):
-      """(B, T, D) -> a (B, heads, T, head_dim) per name for the einsums,
-      (B, T, heads, head_dim) for the fused kernels, from one matmul:
-      (B*T, D) @ (D, 3*D) runs faster on XLA:CPU than three of (D, D).
-
-      Heads first for the einsums: XLA:CPU then runs both products as
-      plain batched matmuls. From the token-major layout it computed the
-      weighted sum as V^T P^T, at half the rate of Q K^T (ViT-Ti/16 @224
-      inference 5.6% slower; docs/performance.md, *Heads first*). One
-      transpose for all names, not a split and one per name: 1.8-3.7%
-      faster vit_tiny_cifar training steps."""
-      kernel = jnp.concatenate([projections[n][0] for n in names], axis=1)
-      bias = jnp.concatenate([projections[n][1] for n in names])
-      inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias,
-                                                     dtype=self.dtype)
-      outputs = per_token(lambda tokens: matmuls.dense_dot_general(
-          tokens, kernel, (((1,), (0,)), ((), ())),
-          operand_dtype=self.matmul_dtype) + bias, inputs)
-      outputs = outputs.reshape(*outputs.shape[:2], len(names),
-                                self.num_heads, head_dim)
-      if even_tokens:  # before the transpose, which XLA fuses it into
-        outputs = attention.pad_to_even(outputs)
-      token_major = fused in ("xla", "cudnn")
-      order = (2, 0, 1, 3, 4) if token_major else (2, 0, 3, 1, 4)
-      return list(jnp.transpose(outputs, order))
 
     query_tokens = num_query_tokens or x.shape[1]
     if num_query_tokens is None:
-      query, key, value = project(x, ("query", "key", "value"))
+      query, key, value = self._project(
+          x, [projections[n] for n in ("query", "key", "value")], fused)
     else:  # only the first num_query_tokens tokens query
-      (query,) = project(x[:, :num_query_tokens], ("query",))
-      key, value = project(x, ("key", "value"))
+      (query,) = self._project(x[:, :num_query_tokens],
+                               [projections["query"]], fused)
+      key, value = self._project(
+          x, [projections["key"], projections["value"]], fused)
     output = nn.DenseGeneral(
         hidden_size, axis=(-2, -1), dtype=self.dtype,
         param_dtype=self.param_dtype,
@@ -141,12 +116,50 @@ class MultiHeadSelfAttention(nn.Module):
       return per_token(output, jnp.swapaxes(attended, 1, 2))
     if fused is not None:
       attended = attention.dot_product_attention(
-          query, key, value, fused,
-          key_tokens=x.shape[1] if even_tokens else None)
+          query, key, value, fused, key_tokens=(
+              x.shape[1] if attention.needs_even_tokens(fused) else None))
       # Padded queries dropped after the output projection: the slice then
       # fuses into the residual addition that follows.
       return per_token(output, attended)[:, :query_tokens]
+    attended = self._attend(query, key, value, deterministic, dropout_key)
+    return per_token(output, jnp.swapaxes(attended, 1, 2))
 
+  def _project(self, inputs: jax.Array,
+               projections: list[tuple[jax.Array, jax.Array]],
+               fused: Optional[str]) -> list[jax.Array]:
+    """(B, T, D) -> per projection, (B, heads, T, head_dim) for the einsums
+    or (B, T, heads, head_dim) for the fused kernels, from one matmul:
+    (B*T, D) @ (D, 3*D) runs faster on XLA:CPU than three of (D, D).
+
+    Heads first for the einsums: XLA:CPU then runs both products as plain
+    batched matmuls. From the token-major layout it computed the weighted
+    sum as V^T P^T, at half the rate of Q K^T (ViT-Ti/16 @224 inference
+    5.6% slower; docs/performance.md, *Heads first*). One transpose for all
+    projections, not a split and one per projection: 1.8-3.7% faster
+    vit_tiny_cifar training steps."""
+    kernel = jnp.concatenate([kernel for kernel, _ in projections], axis=1)
+    bias = jnp.concatenate([bias for _, bias in projections])
+    inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias,
+                                                   dtype=self.dtype)
+    outputs = per_token(lambda tokens: matmuls.dense_dot_general(
+        tokens, kernel, (((1,), (0,)), ((), ())),
+        operand_dtype=self.matmul_dtype) + bias, inputs)
+    outputs = outputs.reshape(*outputs.shape[:2], len(projections),
+                              self.num_heads, -1)
+    if attention.needs_even_tokens(fused):
+      # Padded here, before the transpose: XLA fuses the padding into it.
+      outputs = attention.pad_to_even(outputs)
+    token_major = fused in ("xla", "cudnn")
+    order = (2, 0, 1, 3, 4) if token_major else (2, 0, 3, 1, 4)
+    return list(jnp.transpose(outputs, order))
+
+  def _attend(self, query: jax.Array, key: jax.Array, value: jax.Array,
+              deterministic: bool, dropout_key: Optional[jax.Array]
+              ) -> jax.Array:
+    """The attention core as the paper writes it, per head:
+    softmax(q k^T / sqrt(head_dim)) v. (B, heads, T, head_dim) in and out;
+    the query may have fewer tokens than the key and value."""
+    head_dim = query.shape[-1]
     temperature = (self.param("temperature",
                               nn.initializers.constant(head_dim ** 0.5), (),
                               self.param_dtype)
@@ -161,5 +174,4 @@ class MultiHeadSelfAttention(nn.Module):
     weights = nn.Dropout(self.attention_dropout_rate)(
         weights, deterministic=deterministic, rng=dropout_key
     ).astype(self.dtype)
-    attended = jnp.einsum("bhqk,bhkd->bhqd", weights, value)
-    return per_token(output, jnp.swapaxes(attended, 1, 2))
+    return jnp.einsum("bhqk,bhkd->bhqd", weights, value)

@@ -111,52 +111,17 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
   sharded_params says the params are split over devices (FSDP), for
   `optim.global_norm`.
   """
+  gradients = functools.partial(
+      _gradients, state, preprocess=preprocess,
+      label_smoothing=label_smoothing, mixup_alpha=mixup_alpha,
+      cutmix_alpha=cutmix_alpha, sam_rho=sam_rho,
+      sharded_params=sharded_params)
   step_key = jax.random.fold_in(state.rng, state.step)
-
-  num_classes = state.params["head"]["bias"].shape[-1]
-
-  def gradients(images, labels, key):
-    augment_key, mix_key, dropout_key = jax.random.split(key, 3)
-    inputs = preprocess(images, augment_key)
-    targets = soft_targets(labels, num_classes, label_smoothing)
-    inputs, targets = mixing.mix_batch(inputs, targets, mix_key,
-                                       mixup_alpha=mixup_alpha,
-                                       cutmix_alpha=cutmix_alpha)
-
-    def loss_fn(params):
-      logits = state.apply_fn({"params": params}, inputs, train=True,
-                              rngs={"dropout": dropout_key})
-      return optax.softmax_cross_entropy(logits, targets).mean(), logits
-
-    (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params)
-    if sam_rho:
-      # The global norm: under jit the gradient is already the whole
-      # (micro-)batch's, so every device climbs to the same point.
-      scale = sam_rho / (optim.global_norm(grads, sharded_params) + 1e-12)
-      ascended = jax.tree.map(lambda p, g: p + scale * g, state.params, grads)
-      grads, _ = jax.grad(loss_fn, has_aux=True)(ascended)
-    return grads, loss, jnp.mean(jnp.argmax(logits, -1) == labels)
-
   if accum_steps == 1:
     grads, loss, accuracy = gradients(images, labels, step_key)
   else:
-    # Micro-batch m takes rows m, m + accum_steps, ...: each device's rows
-    # stay on that device, so the split needs no communication.
-    def split(x):
-      x = x.reshape((x.shape[0] // accum_steps, accum_steps) + x.shape[1:])
-      return jnp.swapaxes(x, 0, 1)
-
-    def accumulate(totals, micro_batch):
-      images, labels, index = micro_batch
-      results = gradients(images, labels, jax.random.fold_in(step_key, index))
-      return jax.tree.map(jnp.add, totals, results), None
-
-    zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros(()),
-             jnp.zeros(()))
-    totals, _ = jax.lax.scan(accumulate, zeros, (
-        split(images), split(labels), jnp.arange(accum_steps)))
-    grads, loss, accuracy = jax.tree.map(lambda x: x / accum_steps, totals)
+    grads, loss, accuracy = _mean_over_micro_batches(
+        gradients, state.params, images, labels, step_key, accum_steps)
   grad_norm = optim.global_norm(grads, sharded_params)
   metrics = {
       "loss": loss,
@@ -166,16 +131,80 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
   }
   new_state = state.apply_gradients(grads=grads)
   if ema_decay:
-    step = (state.step - ema_start_step).astype(jnp.float32)
-    decay = jnp.minimum(ema_decay, (1.0 + step) / (10.0 + step))
-    new_state = new_state.replace(ema_params=jax.tree.map(
-        lambda average, new: decay * average + (1.0 - decay) * new,
-        state.ema_params, new_state.params))
+    new_state = new_state.replace(ema_params=_moving_average(
+        state.ema_params, new_state.params, state.step - ema_start_step,
+        ema_decay))
   if skip_nonfinite:
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                              new_state, state).replace(step=state.step + 1)
   return new_state, metrics
+
+
+def _gradients(state: TrainState, images: jax.Array, labels: jax.Array,
+               key: jax.Array, *, preprocess, label_smoothing: float,
+               mixup_alpha: float, cutmix_alpha: float, sam_rho: float,
+               sharded_params: bool
+               ) -> tuple[Any, jax.Array, jax.Array]:
+  """(gradient of the params, loss, accuracy) on one (micro-)batch, its
+  augmentation, mixing and dropout drawn from `key`. With sam_rho, the
+  gradient is taken again at the ascended params."""
+  augment_key, mix_key, dropout_key = jax.random.split(key, 3)
+  inputs = preprocess(images, augment_key)
+  num_classes = state.params["head"]["bias"].shape[-1]
+  targets = soft_targets(labels, num_classes, label_smoothing)
+  inputs, targets = mixing.mix_batch(inputs, targets, mix_key,
+                                     mixup_alpha=mixup_alpha,
+                                     cutmix_alpha=cutmix_alpha)
+
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, inputs, train=True,
+                            rngs={"dropout": dropout_key})
+    return optax.softmax_cross_entropy(logits, targets).mean(), logits
+
+  (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+      state.params)
+  if sam_rho:
+    # The global norm: under jit the gradient is already the whole
+    # (micro-)batch's, so every device climbs to the same point.
+    scale = sam_rho / (optim.global_norm(grads, sharded_params) + 1e-12)
+    ascended = jax.tree.map(lambda p, g: p + scale * g, state.params, grads)
+    grads, _ = jax.grad(loss_fn, has_aux=True)(ascended)
+  return grads, loss, jnp.mean(jnp.argmax(logits, -1) == labels)
+
+
+def _mean_over_micro_batches(gradients: Callable, params: Any,
+                             images: jax.Array, labels: jax.Array,
+                             key: jax.Array, accum_steps: int
+                             ) -> tuple[Any, jax.Array, jax.Array]:
+  """The mean of `gradients(images, labels, key)` over accum_steps
+  micro-batches, in a scan: one micro-batch's activations live at a time.
+  Micro-batch m takes rows m, m + accum_steps, ...: each device's rows
+  stay on that device, so the split needs no communication."""
+  def split(x):
+    x = x.reshape((x.shape[0] // accum_steps, accum_steps) + x.shape[1:])
+    return jnp.swapaxes(x, 0, 1)
+
+  def accumulate(totals, micro_batch):
+    images, labels, index = micro_batch
+    results = gradients(images, labels, jax.random.fold_in(key, index))
+    return jax.tree.map(jnp.add, totals, results), None
+
+  zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()), jnp.zeros(()))
+  totals, _ = jax.lax.scan(accumulate, zeros, (
+      split(images), split(labels), jnp.arange(accum_steps)))
+  return jax.tree.map(lambda x: x / accum_steps, totals)
+
+
+def _moving_average(average: Any, params: Any, step: jax.Array,
+                    ema_decay: float) -> Any:
+  """The EMA after `step` steps of its ramp: decay min(ema_decay,
+  (1 + step) / (10 + step)), so that early params weigh less."""
+  step = step.astype(jnp.float32)
+  decay = jnp.minimum(ema_decay, (1.0 + step) / (10.0 + step))
+  return jax.tree.map(
+      lambda average, new: decay * average + (1.0 - decay) * new,
+      average, params)
 
 
 def train_steps(state: TrainState, images: tuple[jax.Array, ...],

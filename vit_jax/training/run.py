@@ -1,0 +1,173 @@
+"""A training run's parts, assembled once: `build_run(config, workdir)`.
+
+The data, the mesh, the model, the train state (restored from the
+workdir's latest checkpoint or initialised from pretrained params), the
+checkpoint manager, the metric writer and the compiled eval step, held in
+a `Run`; `Run.make_phase` compiles the train step for a state and a
+learning-rate schedule. `loop.py` trains with them.
+"""
+
+import dataclasses
+import os
+from typing import Any, Callable, Optional
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+
+from vit_jax import config as config_lib
+from vit_jax.checkpoints import orbax_checkpoints, pretrained
+from vit_jax.data import augment, datasets
+from vit_jax.kernels import matmuls
+from vit_jax.model import options, variants, vit
+from vit_jax.runtime import sharding
+from vit_jax.training import (budget, dispatch, metric_writer, optim,
+                              steps)
+
+log = metric_writer.log
+
+
+@dataclasses.dataclass
+class Run:
+  """What a run is made of, built once by `build_run`."""
+  config: ml_collections.ConfigDict
+  workdir: str
+  mesh: jax.sharding.Mesh
+  dataset: datasets.Dataset
+  spec: config_lib.RunSpec  # the quantities derived from config and data
+  mean: np.ndarray
+  std: np.ndarray
+  flip: bool
+  model: vit.VisionTransformer
+  manager: Any  # orbax CheckpointManager
+  writer: metric_writer.MetricWriter
+  eval_fn: Callable[..., dict]
+
+  def make_phase(self, state: steps.TrainState,
+                 learning_rate_fn: optax.Schedule, ema_start_step: int = 0,
+                 unmasked: bool = False) -> dispatch.Phase:
+    """The train step of `state` as it is (its layout, model, optimizer),
+    for one step and for config.steps_per_dispatch steps at a time."""
+    args = (self.mesh, steps.shardings_of(state), learning_rate_fn)
+    options = config_lib.train_step_options(
+        self.config, self.mean, self.std, self.flip, ema_start_step,
+        crops_on_host=self.dataset.crops_on_host)
+    options["compiler_options"] = matmuls.xla_compiler_options(
+        self.model.matmul_dtype)
+    per_dispatch = self.config.steps_per_dispatch
+    return dispatch.Phase(
+        steps.compile_train_step(*args, **options),
+        steps.compile_train_steps(*args, per_dispatch, **options)
+        if per_dispatch > 1 else None, unmasked=unmasked)
+
+  @property
+  def unmasked_model(self) -> vit.VisionTransformer:
+    """The model without patch dropout: the same params, every patch."""
+    return self.model.clone(patch_dropout_rate=0.0)
+
+  def evaluate(self, state: steps.TrainState) -> dict[str, float]:
+    """Test metrics of the params, and of their moving average as ema_*."""
+    batch_size = self.config.eval_batch_size
+    metrics = steps.evaluate(self.eval_fn, state.params, self.dataset,
+                             batch_size, self.mesh)
+    if state.ema_params is not None:
+      ema = steps.evaluate(self.eval_fn, state.ema_params, self.dataset,
+                           batch_size, self.mesh)
+      metrics.update(ema_loss=ema["loss"], ema_accuracy=ema["accuracy"])
+    return metrics
+
+
+def build_run(config: ml_collections.ConfigDict, workdir: str
+              ) -> tuple[Run, steps.TrainState, int, Optional[dict]]:
+  """The run's data, model, optimizer and state, restored from `workdir`'s
+  latest checkpoint (or initialised from config.init_from). Returns (run,
+  state, start step, the time plan saved in workdir or None)."""
+  mesh = sharding.make_mesh(config.mesh)
+  dataset = datasets.load(config)
+  spec = config_lib.run_spec(config, mesh, dataset)
+  plan = budget.read_plan(workdir) if config.time_budget_minutes else None
+  if plan is not None:
+    log(f"Time budget: training to step {plan['total_steps']}, as planned "
+        f"in {os.path.join(workdir, budget.PLAN_FILE)}.")
+  mean, std = augment.pixel_stats(config.normalization, dataset)
+  metric_writer.write_model_info(workdir, dataset.name, dataset.class_names,
+                                 spec.image_shape, mean, std)
+  log(f"Data: {dataset.name} from {dataset.source}: "
+      f"{dataset.num_train} train / {dataset.num_test} test "
+      f"images of shape {dataset.image_shape}, {dataset.num_classes} "
+      "classes.")
+  model = variants.build_model(config.model, dataset.num_classes)
+  _, learning_rate_fn = schedule(config, spec, plan)
+  state = steps.create_train_state(
+      model, spec.image_shape, optim.make_optimizer(config, learning_rate_fn),
+      config.seed, mesh, config.fsdp_min_size, ema=config.ema_decay > 0)
+  _log_model(config, spec, mesh, state, plan)
+  manager = orbax_checkpoints.make_manager(workdir, config.keep_checkpoints)
+  state, restored_step = orbax_checkpoints.restore_latest(manager, state)
+  if restored_step is not None:
+    log(f"Resumed from the checkpoint of step {restored_step} in {workdir}.")
+  elif config.init_from is not None:
+    state = init_from_pretrained(config, state, spec.image_shape[:2])
+  start_step = restored_step or 0
+  eval_fn = steps.compile_eval_step(
+      mesh, steps.shardings_of(state.params),
+      matmuls.xla_compiler_options(model.matmul_dtype),
+      **config_lib.eval_step_options(config, model.apply, mean, std))
+  flip = dataset.flip if config.random_flip is None else config.random_flip
+  run = Run(config, workdir, mesh, dataset, spec, mean, std, flip, model,
+            manager, metric_writer.MetricWriter(workdir, start_step), eval_fn)
+  return run, state, start_step, plan
+
+
+def schedule(config, spec: config_lib.RunSpec, plan: Optional[dict]
+             ) -> tuple[int, optax.Schedule]:
+  """(total steps, learning-rate schedule) of the run: the plan's if there
+  is one, else the config's upper bound."""
+  if plan is not None:
+    return (int(plan["total_steps"]),
+            budget.planned_schedule(config, plan, spec.steps_per_epoch))
+  return spec.upper_bound, optim.learning_rate_schedule(
+      config, spec.upper_bound, spec.steps_per_epoch)
+
+
+def _log_model(config, spec: config_lib.RunSpec, mesh, state,
+               plan: Optional[dict]) -> None:
+  dims = config.model  # the name's dims may have been overridden: say them
+  rate = dims.patch_dropout_rate
+  num_params = sum(x.size for x in jax.tree.leaves(state.params))
+  patch_dropout = (
+      f", trained on {options.num_kept_patches(spec.num_patches, rate)} of its "
+      f"{spec.num_patches} patches (patch dropout {rate:g})" if rate else "")
+  bound = "at most " if config.time_budget_minutes and not plan else ""
+  total_steps = plan["total_steps"] if plan else spec.upper_bound
+  log(f"Model: {dims.name} (patch {dims.patch_size}, width {dims.hidden_size}"
+      f", {dims.num_layers} layers, {dims.num_heads} heads, MLP "
+      f"{dims.mlp_dim}), {num_params:,} parameters{patch_dropout}; "
+      f"{mesh.size} device(s) ({jax.devices()[0].platform}) in "
+      f"{jax.process_count()} process(es), mesh {dict(mesh.shape)}; "
+      f"{bound}{total_steps} steps of batch {config.batch_size} "
+      f"({spec.steps_per_epoch} per epoch).")
+  if (dims.matmul_dtype == "bfloat16" and jax.default_backend() == "cpu"
+      and not matmuls.cpu_has_bfloat16_dots()):
+    log("Warning: config.model.matmul_dtype='bfloat16' on a CPU without "
+        "bfloat16 dot instructions (AVX512_BF16, AMX): the products widen "
+        "to float32 and run slower than float32 ones. Unset it here.")
+
+
+def init_from_pretrained(config: ml_collections.ConfigDict,
+                         state: steps.TrainState,
+                         image_size: tuple[int, int]) -> steps.TrainState:
+  """`state` with params from config.init_from, fitted to the model."""
+  loaded, settings = pretrained.load_params(config.init_from,
+                                            config.model.num_heads)
+  pretrained.check_settings(settings, config.model)
+  grid = (image_size[0] // config.model.patch_size,
+          image_size[1] // config.model.patch_size)
+  params, report = pretrained.adapt_params(
+      loaded, sharding.to_host(state.params), grid,
+      method=config.posemb_resize)
+  log(f"Initialised from {config.init_from} ({settings['source']}): "
+      + "; ".join(report) + ".")
+  return state.replace(
+      params=sharding.put(params, steps.shardings_of(state.params)))
