@@ -198,6 +198,37 @@ def test_beta_draws_follow_beta_distributions():
   assert abs(np.corrcoef(draws[:, 1], draws[:, 2])[0, 1]) < 0.03
 
 
+def test_log_gamma_draws_follow_gamma_distributions():
+  alphas = jnp.array([0.1, 0.5, 1.0, 2.5, 10.0])
+  draws = np.asarray(jax.vmap(lambda key: mixing.log_gamma_draws(
+      key, alphas))(jax.random.split(jax.random.PRNGKey(1), 20_000)),
+                     np.float64)
+  assert draws.shape == (20_000, 5) and np.all(np.isfinite(draws))
+  for column, alpha in enumerate(np.asarray(alphas, np.float64)):
+    # Kolmogorov-Smirnov of the logs against log Gamma(alpha)'s CDF (the
+    # critical gap as in the Beta test), and the mean against alpha.
+    statistic = scipy.stats.kstest(
+        draws[:, column],
+        lambda y, a=alpha: scipy.stats.gamma(a).cdf(np.exp(y))).statistic
+    assert statistic < 0.0138, alpha
+    assert np.exp(draws[:, column]).mean() == pytest.approx(
+        alpha, rel=0.05), alpha
+
+
+def test_beta_draws_have_no_rejection_loop():
+  # The point of the loop-free sampler: jax.random.beta's rejection loops
+  # are many kernels to compile in every train step with Mixup/CutMix. The
+  # one loop left is the random bits' (threefry, rolled on a CPU).
+  key = jax.random.PRNGKey(0)
+  loops = lambda program: program.as_text().count("stablehlo.while")
+  ours = loops(jax.jit(mixing.beta_draws, static_argnums=1).lower(
+      key, (0.8, 1.0)))
+  bits = loops(jax.jit(lambda key: jax.random.uniform(key)).lower(key))
+  assert ours <= bits <= 1
+  assert loops(jax.jit(lambda key: jax.random.beta(key, 0.8, 0.8)).lower(
+      key)) > bits  # what the test would catch
+
+
 def test_random_erasing_rate_area_and_noise():
   images = jnp.full((2000, 16, 16, 1), 7.0)
   erased = np.asarray(mixing.random_erasing(images, jax.random.PRNGKey(0),

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vit_jax.data import mixing, randaugment
+from vit_jax.data import draws, mixing, randaugment
 
 
 def random_crop(images: jax.Array, key: jax.Array, padding: int) -> jax.Array:
@@ -24,7 +24,7 @@ def random_crop(images: jax.Array, key: jax.Array, padding: int) -> jax.Array:
   batch, height, width, channels = images.shape
   padded = jnp.pad(images, ((0, 0), (padding, padding), (padding, padding),
                             (0, 0)))
-  offsets = jax.random.randint(key, (batch, 2), 0, 2 * padding + 1)
+  offsets = draws.integers(draws.uniforms(key, (batch, 2)), 2 * padding + 1)
 
   def crop(image, offset):
     return jax.lax.dynamic_slice(image, (offset[0], offset[1], 0),
@@ -45,16 +45,14 @@ def random_resized_crop(images: jax.Array, key: jax.Array, size: int,
   official ViT fine-tuning setting (timm uses 0.08). (B, H, W, C) input.
   """
   batch, height, width, channels = images.shape
-  area_key, ratio_key, y_key, x_key = jax.random.split(key, 4)
-  area = jax.random.uniform(area_key, (batch,), minval=min_area,
-                            maxval=1.0) * height * width
-  aspect = jnp.exp(jax.random.uniform(
-      ratio_key, (batch,), minval=np.log(aspect_ratios[0]),
-      maxval=np.log(aspect_ratios[1])))
+  area, log_aspect, top, left = draws.uniforms(key, (4, batch))  # one draw
+  area = (min_area + (1.0 - min_area) * area) * height * width
+  low, high = np.log(aspect_ratios[0]), np.log(aspect_ratios[1])
+  aspect = jnp.exp(low + (high - low) * log_aspect)
   crop_height = jnp.clip(jnp.sqrt(area / aspect), 1.0, height)
   crop_width = jnp.clip(jnp.sqrt(area * aspect), 1.0, width)
-  top = jax.random.uniform(y_key, (batch,)) * (height - crop_height)
-  left = jax.random.uniform(x_key, (batch,)) * (width - crop_width)
+  top = top * (height - crop_height)
+  left = left * (width - crop_width)
 
   def crop(image, top, left, crop_height, crop_width):
     scale = jnp.stack([size / crop_height, size / crop_width])

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vit_jax.data import draws
+
 OPS = ("identity", "auto_contrast", "equalize", "rotate", "shear_x",
        "shear_y", "translate_x", "translate_y", "brightness", "color",
        "contrast", "sharpness", "posterize", "solarize")
@@ -148,31 +150,25 @@ def _smooth(images: jax.Array) -> jax.Array:
   return jnp.where(inner[None, :, :, None], filtered, images)
 
 
-def _signs(key: jax.Array, batch: int) -> jax.Array:
-  return jnp.where(jax.random.bernoulli(key, 0.5, (batch,)), 1.0, -1.0)
-
-
 def rand_augment(images: jax.Array, key: jax.Array, num_ops: int = 2,
                  magnitude: float = 0.9, magnitude_std: float = 0.5 / 10
                  ) -> jax.Array:
   """`num_ops` random operations per image at `magnitude` in [0, 1]
   (RandAugment's M / 10; Gaussian jitter of `magnitude_std`, as timm's
   "rand-m9-mstd0.5"). float (B, H, W, C) in [0, 255] -> same."""
-  batch = images.shape[0]
-  for key in jax.random.split(key, num_ops):
-    op_key, magnitude_key, sign_key = jax.random.split(key, 3)
-    ops = jax.random.randint(op_key, (batch,), 0, len(OPS))
-    magnitudes = jnp.clip(magnitude + magnitude_std * jax.random.normal(
-        magnitude_key, (batch,)), 0.0, 1.0)
-    images = apply_ops(images, ops, magnitudes, _signs(sign_key, batch))
+  # Each op's choice, magnitude jitter and sign, from one draw.
+  numbers = draws.uniforms(key, (num_ops, 3, images.shape[0]))
+  for choice, jitter, sign in numbers:
+    ops = draws.integers(choice, len(OPS))
+    magnitudes = jnp.clip(
+        magnitude + magnitude_std * draws.standard_normal(jitter), 0.0, 1.0)
+    images = apply_ops(images, ops, magnitudes, draws.signs(sign))
   return images
 
 
 def trivial_augment(images: jax.Array, key: jax.Array) -> jax.Array:
   """One random operation per image at a uniform random magnitude.
   float (B, H, W, C) in [0, 255] -> same."""
-  batch = images.shape[0]
-  op_key, magnitude_key, sign_key = jax.random.split(key, 3)
-  ops = jax.random.randint(op_key, (batch,), 0, len(OPS))
-  magnitudes = jax.random.uniform(magnitude_key, (batch,))
-  return apply_ops(images, ops, magnitudes, _signs(sign_key, batch))
+  choice, magnitudes, sign = draws.uniforms(key, (3, images.shape[0]))
+  return apply_ops(images, draws.integers(choice, len(OPS)), magnitudes,
+                   draws.signs(sign))
