@@ -28,9 +28,10 @@ points on average over several ViTs on Tiny-ImageNet, and here they added
 1.3 points to the 15-minute Fashion-MNIST recipe, but they have not been
 measured on CIFAR-10 with this recipe.
 
-On the 2-core CPU of this project's machines one epoch takes about 18
-minutes (390 steps at ~46 images/s; `python benchmarks/train_throughput.py`),
-so train it on a GPU/TPU. On a CPU it runs a device per core
+On a 2-core CPU one epoch takes 12-18 minutes (390 steps at ~46 images/s
+on an earlier machine, 68-70 on a 2-core "AMD EPYC" with AVX-512 in
+November 2026; `python benchmarks/train_throughput.py`), so train it on a
+GPU/TPU. On a CPU it runs a device per core
 (config.cpu_devices=-1; ignored on GPU/TPU), each taking part of the batch:
 `python benchmarks/cpu_devices.py --config=configs/vit_tiny_cifar.py
 --steps=5` measured 40.7, 41.1 images/s on one device against 46.3, 45.1
