@@ -73,11 +73,12 @@ def log_gamma_draws(key: jax.Array, alphas: jax.Array,
 
   Marsaglia and Tsang's (2000) rejection method with every alpha's
   `proposals` drawn at once and the first accepted one kept, so that the
-  program has no loop (`jax.random.loggamma` loops until it accepts: a
-  while loop of ~45 XLA kernels, ~1.5 s to compile on a 2-core CPU). Each
-  proposal is accepted with probability > 0.95, so all 16 are rejected
-  with probability < 1e-20 (the last is kept then). Alpha < 1 draws
-  Gamma(alpha + 1) x U^(1 / alpha).
+  program has no loop of its own. (`jax.random.loggamma` loops until it
+  accepts: `beta_draws` on it compiled 48 XLA:CPU kernels in ~1.5 s on a
+  2-core CPU, on this 18 kernels.) Each proposal is accepted with
+  probability > 0.95, so all 16 are rejected with probability < 1e-20
+  (the last is kept then). Alpha < 1 draws Gamma(alpha + 1) x
+  U^(1 / alpha).
   """
   alphas = jnp.asarray(alphas, jnp.float32)
   boosted = jnp.where(alphas < 1, alphas + 1, alphas)[:, None]
