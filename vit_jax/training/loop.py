@@ -118,7 +118,8 @@ class TrainingLoop:
         raise preemption.Preempted(stop_signal, done,
                                    self.run.manager.directory)
       step = done
-    return self.eval_metrics or self.run.evaluate(self.state)  # restored
+    # Nothing evaluated: a finished run was restored.
+    return self.eval_metrics or self.run.evaluate(self.state)
 
   def _start_tuning_if_due(self, step: int) -> None:
     """From the unmasked tuning's first step on, trains on every patch.
