@@ -10,7 +10,7 @@ import pytest
 
 from helpers import small_config, train_counting_compiles
 from vit_jax.checkpoints import pretrained
-from vit_jax.training import budget, loop, metric_writer, optim
+from vit_jax.training import budget, budget_tracker, loop, metric_writer, optim
 
 
 def _trainer_saves(done, total, every_steps):
@@ -270,19 +270,20 @@ def test_trainer_revises_its_plan_and_warps_its_schedule(tmp_path,
   unrevised = optim.learning_rate_schedule(config, 120, 4)
   assert rates[69] < 0.8 * float(unrevised(69))
   # A resumed run builds its schedule from the plan file: the same rates.
-  from_file = budget.planned_schedule(config, budget.read_plan(workdir), 4)
+  from_file = budget.planned_schedule(
+      config, budget_tracker.read_plan(workdir), 4)
   np.testing.assert_allclose(from_file(np.arange(72)), rates,
                              rtol=1e-6, atol=1e-12)
 
 
 def test_plan_file_round_trip_and_damage(tmp_path):
-  assert budget.read_plan(str(tmp_path)) is None
-  budget.write_plan(str(tmp_path), {"total_steps": 123, "epochs": 2.46})
-  assert budget.read_plan(str(tmp_path))["total_steps"] == 123
+  assert budget_tracker.read_plan(str(tmp_path)) is None
+  budget_tracker.write_plan(str(tmp_path), {"total_steps": 123, "epochs": 2.46})
+  assert budget_tracker.read_plan(str(tmp_path))["total_steps"] == 123
   assert os.listdir(tmp_path) == [budget.PLAN_FILE]  # no temporary left
   (tmp_path / budget.PLAN_FILE).write_text('{"total_steps": "many"}')
   with pytest.raises(ValueError, match="damaged.*Delete it"):
-    budget.read_plan(str(tmp_path))
+    budget_tracker.read_plan(str(tmp_path))
 
 
 def test_negative_budget_is_rejected(tmp_path):
@@ -310,7 +311,7 @@ def test_budgeted_run_equals_a_run_configured_with_its_planned_steps(
   with open(os.path.join(workdir, budget.PLAN_FILE)) as f:
     plan = json.load(f)
   planned = plan["total_steps"]
-  assert plan["planned_at_step"] == 1 + budget.MEASURED_STEPS
+  assert plan["planned_at_step"] == 1 + budget_tracker.MEASURED_STEPS
   assert plan["revisions"] == [] and plan["first_total_steps"] == planned
   # Past the warm-up (which a shorter run would cut), short of the bound.
   assert settings["warmup_steps"] < planned < 100_000 * 4  # 4 steps an epoch

@@ -202,7 +202,7 @@ def test_time_budget_plans_after_a_whole_dispatch_from_per_step_times(
   due = [tracker.step_done(done, 4000, None, 0.0) for done in range(4, 32, 4)]
   assert due == [False] * 6 + [True]
   tracker.first_step_seconds = 2.0
-  plan = tracker.make_plan(28, 5.0, budget.Measurements(1.0, 1.0, 0.5))
+  plan = tracker.make_plan(28, 5.0, budget_tracker.Measurements(1.0, 1.0, 0.5))
   assert plan["step_seconds"] == pytest.approx(0.1)
   assert plan["total_steps"] % 4 == 0 and 28 < plan["total_steps"] < 4000
 

@@ -15,7 +15,8 @@ from vit_jax import config as config_lib
 from vit_jax.data import augment, datasets, input_pipeline
 from vit_jax.model import variants
 from vit_jax.runtime import sharding
-from vit_jax.training import budget, loop, metric_writer, optim, steps
+from vit_jax.training import (budget, budget_tracker, loop, metric_writer,
+                              optim, steps)
 
 
 def _tuning_config(**overrides):
@@ -70,12 +71,13 @@ def test_planned_schedule_moves_the_tuning_to_each_revised_end():
 
 
 def _plan(tmp_path, config, tuning=None):
-  """budget.plan on made-up timings: 0.1 s a step, a 2 s evaluation every
-  40 steps, free saves, nothing elapsed or compiled."""
-  return budget.plan(
-      config, str(tmp_path), done=21, step_ends=[(0.1 * step, step) for step in range(21)],
+  """budget_tracker.first_plan on made-up timings: 0.1 s a step, a 2 s
+  evaluation every 40 steps, free saves, nothing elapsed or compiled."""
+  return budget_tracker.first_plan(
+      config, str(tmp_path), done=21,
+      step_ends=[(0.1 * step, step) for step in range(21)],
       first_step_seconds=0.0, elapsed_seconds=0.0,
-      measured=budget.Measurements(0.0, 2.0, 0.0, *(tuning or ())),
+      measured=budget_tracker.Measurements(0.0, 2.0, 0.0, *(tuning or ())),
       steps_per_epoch=4, upper_bound=10**6)
 
 
@@ -126,8 +128,9 @@ def test_revision_keeps_the_tuning_at_the_end(tmp_path, capsys):
                   steps_per_epoch=4, upper_bound=10**6)
   # Steps twice as slow as planned: fewer masked steps, the same 20 tuning
   # steps at the end.
-  assert budget.revise(config, str(tmp_path), plan, step_seconds=0.2,
-                       elapsed_seconds=25.0, **measured)
+  assert budget_tracker.revise_plan(config, str(tmp_path), plan,
+                                    step_seconds=0.2, elapsed_seconds=25.0,
+                                    **measured)
   revised = plan["total_steps"]
   assert plan["revisions"] == [[80, revised]] and 100 < revised < planned
   assert plan["unmasked_tuning_steps"] == 20
@@ -136,8 +139,9 @@ def test_revision_keeps_the_tuning_at_the_end(tmp_path, capsys):
       schedule(np.arange(revised - 20, revised + 1)),
       _cosine(2e-4, np.arange(21), 20), rtol=1e-5, atol=1e-12)
   # Far too slow: the masked steps end at once, the tuning follows.
-  assert budget.revise(config, str(tmp_path), plan, step_seconds=0.2,
-                       elapsed_seconds=110.0, **dict(measured, done=88))
+  assert budget_tracker.revise_plan(config, str(tmp_path), plan,
+                                    step_seconds=0.2, elapsed_seconds=110.0,
+                                    **dict(measured, done=88))
   assert plan["revisions"][-1] == [88, 108]
   assert ("ending the masked steps here, the unmasked tuning next, instead "
           f"of at step {revised}") in capsys.readouterr().out
@@ -248,7 +252,7 @@ def test_budgeted_trainer_revised_to_end_its_masked_steps_tunes_next(
   # never runs).
   assert compiled.count("jit(train_step)") == 4, compiled
   out = capsys.readouterr().out
-  plan = budget.read_plan(workdir)
+  plan = budget_tracker.read_plan(workdir)
   assert plan["first_total_steps"] == 120  # 30 epochs fit in the hour
   assert plan["unmasked_tuning_steps"] == 8
   assert plan["unmasked_tuning_seconds"] > 0

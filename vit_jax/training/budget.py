@@ -30,30 +30,25 @@ A revision time-warps the rest of the learning-rate schedule
 (`warped_schedule`) rather than rebuilding it: the schedule goes on from
 where it is, without a jump, and ends at the new step count. Revisions
 are kept in the plan, so a resumed run rebuilds the same schedule.
+
+This module is the arithmetic of it, pure functions of numbers;
+`budget_tracker.py` measures, writes and logs the plans.
 """
 
-import json
-import os
-from typing import NamedTuple, Optional
+from typing import Optional
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from jax.experimental import multihost_utils
 
-from vit_jax.training import metric_writer, optim
+from vit_jax.training import optim
 
 PLAN_FILE = "time_plan.json"
-# Steps timed after the first (compiling) one, before the plan is made.
-MEASURED_STEPS = 20
 # Planned to end this fraction of the budget early. Revisions correct the
 # plan at each evaluation, so the margin covers the drift of the machine's
 # speed after the last one: a 15% slowdown over the last fifth of the run.
 SAFETY_FRACTION = 0.03
-# Steps of the unmasked tuning timed after its compiling one, for the plan.
-MEASURED_TUNING_STEPS = 5
 
 
 def evaluates_after(done: int, total: int, every_steps: int) -> bool:
@@ -225,155 +220,3 @@ def planned_schedule(config: ml_collections.ConfigDict, plan: dict,
           optim.decay_schedule(config, first_decay_steps, steps_per_epoch),
           first_decay_steps, revisions),
       config, int(plan["total_steps"]), steps_per_epoch)
-
-
-class Measurements(NamedTuple):
-  """What the trainer measures, once, for a plan (seconds)."""
-  eval_compile: float  # compiling the eval step
-  evaluation: float  # one evaluation, as training runs them
-  save: float  # one checkpoint save, written through
-  tuning_compile: float = 0.0  # the unmasked tuning's step: compiling it
-  tuning_step: float = 0.0  # and one of its steps
-
-
-def plan(config: ml_collections.ConfigDict, workdir: str, *, done: int,
-         step_ends: list[tuple[float, int]], first_step_seconds: float,
-         elapsed_seconds: float, measured: Measurements,
-         steps_per_epoch: int, upper_bound: int) -> dict:
-  """Plans, saves and logs the number of steps that fit the budget; returns
-  the plan (its "total_steps" is the number of steps).
-
-  step_ends: (time, step) at which the dispatches since the first one
-  returned (a dispatch runs config.steps_per_dispatch steps, or one); the
-  median of their intervals per step is the step time, so an evaluation or
-  a save between two dispatches does not count. first_step_seconds:
-  compilation and first step, paid again for the new schedule (the train
-  step only: the eval step takes params, not the optimizer).
-  elapsed_seconds: the run's time before `measured` was measured. Every
-  process trains to process 0's plan. With an unmasked tuning
-  (config.unmasked_tuning_epochs), its steps, a fixed number at the end,
-  cost measured.tuning_compile + steps x measured.tuning_step: the plan
-  fits the masked steps in the time they leave.
-  """
-  times, steps = np.transpose(step_ends)
-  step_seconds = float(np.median(np.diff(times) / np.diff(steps)))
-  eval_compile_seconds, eval_seconds = (measured.eval_compile,
-                                        measured.evaluation)
-  save_seconds = measured.save
-  tuning_steps = optim.unmasked_tuning_steps(config, steps_per_epoch)
-  tuning_compile_seconds, tuning_step_seconds = (
-      (measured.tuning_compile, measured.tuning_step) if tuning_steps
-      else (0.0, 0.0))
-  tuning_seconds = tuning_compile_seconds + tuning_steps * tuning_step_seconds
-  planned = plan_total_steps(
-      budget_seconds=60 * config.time_budget_minutes,
-      elapsed_seconds=(elapsed_seconds + eval_compile_seconds + eval_seconds
-                       + save_seconds + tuning_compile_seconds
-                       + MEASURED_TUNING_STEPS * tuning_step_seconds),
-      done=done, step_seconds=step_seconds,
-      fixed_seconds=first_step_seconds,  # the eval step is not recompiled
-      eval_seconds=eval_seconds,
-      eval_every_steps=steps_per_epoch * config.eval_every_epochs,
-      save_seconds=save_seconds,
-      save_every_steps=config.checkpoint_every_steps,
-      tuning_steps=tuning_steps, tuning_seconds=tuning_seconds,
-      upper_bound=upper_bound, steps_per_dispatch=config.steps_per_dispatch)
-  planned = int(multihost_utils.broadcast_one_to_all(np.int32(planned)))
-  the_plan = dict(
-      total_steps=planned, epochs=round(planned / steps_per_epoch, 3),
-      time_budget_minutes=config.time_budget_minutes, planned_at_step=done,
-      step_seconds=round(step_seconds, 5),
-      eval_seconds=round(eval_seconds, 3),
-      save_seconds=round(save_seconds, 3),
-      unmasked_tuning_steps=tuning_steps,
-      unmasked_tuning_seconds=round(tuning_seconds, 3),
-      first_total_steps=planned, revisions=[])
-  if jax.process_index() == 0:
-    write_plan(workdir, the_plan)
-  tuning = (f", the last {tuning_steps} on every patch "
-            f"({tuning_step_seconds * 1e3:.1f} ms per step, "
-            f"{tuning_compile_seconds:.1f} s to compile)"
-            if tuning_steps else "")
-  metric_writer.log(
-      f"Time budget of {config.time_budget_minutes:g} minutes: "
-      f"{step_seconds * 1e3:.1f} ms per step, {eval_seconds:.1f} s per "
-      f"evaluation, {save_seconds:.1f} s per checkpoint; training to step "
-      f"{planned} ({planned / steps_per_epoch:.2f} epochs){tuning}.")
-  return the_plan
-
-
-def revise(config: ml_collections.ConfigDict, workdir: str, plan: dict, *,
-           done: int, step_seconds: float, eval_seconds: float,
-           recompile_seconds: float, elapsed_seconds: float,
-           steps_per_epoch: int, upper_bound: int) -> bool:
-  """Checks `plan` (as `plan` returned it) at step `done`
-  (revised_total_steps). If it is revised (to process 0's revision, on
-  every process), records the revision in `plan` and its file, logs it and
-  returns True. The unmasked tuning's steps, if any, end every revised run
-  as they end the plan; a revision changes the masked steps before them.
-  """
-  total = plan["total_steps"]
-  tuning_steps = plan.get("unmasked_tuning_steps", 0)
-  revised = -1
-  if jax.process_index() == 0:
-    revised = revised_total_steps(
-        total=total, recompile_seconds=recompile_seconds,
-        budget_seconds=60 * config.time_budget_minutes,
-        elapsed_seconds=elapsed_seconds, done=done,
-        step_seconds=step_seconds, eval_seconds=eval_seconds,
-        eval_every_steps=steps_per_epoch * config.eval_every_epochs,
-        save_seconds=plan["save_seconds"],
-        save_every_steps=config.checkpoint_every_steps,
-        tuning_steps=tuning_steps,
-        tuning_seconds=plan.get("unmasked_tuning_seconds", 0.0),
-        upper_bound=upper_bound, steps_per_dispatch=config.steps_per_dispatch)
-    revised = -1 if revised is None else revised
-  revised = int(multihost_utils.broadcast_one_to_all(np.int32(revised)))
-  if revised < 0:
-    return False
-  plan["revisions"].append([done, revised])
-  plan.update(total_steps=revised, epochs=round(revised / steps_per_epoch, 3))
-  if jax.process_index() == 0:
-    write_plan(workdir, plan)
-  measured = (f"Time budget of {config.time_budget_minutes:g} minutes: at "
-              f"step {done}, {step_seconds * 1e3:.1f} ms per step (recent "
-              f"windows weighing more) and {eval_seconds:.1f} s per "
-              "evaluation since the plan; ")
-  if revised == done + tuning_steps:
-    ending = ("the masked steps here, the unmasked tuning next,"
-              if tuning_steps else "the run here")
-    metric_writer.log(
-        measured + f"ending {ending} instead of at step {total}: the "
-        "steps that still fit would take less time than the recompilation "
-        "and the final evaluation they need.")
-  else:
-    metric_writer.log(
-        measured + f"training to step {revised} "
-        f"({revised / steps_per_epoch:.2f} epochs) instead of {total}, the "
-        "rest of the schedule warped to end there.")
-  return True
-
-
-def read_plan(workdir: str) -> Optional[dict]:
-  """The plan saved in `workdir`, or None."""
-  path = os.path.join(workdir, PLAN_FILE)
-  if not os.path.exists(path):
-    return None
-  try:
-    with open(path) as f:
-      plan = json.load(f)
-    int(plan["total_steps"])
-  except (ValueError, KeyError, TypeError) as e:
-    raise ValueError(
-        f"{path} is damaged ({type(e).__name__}: {e}). Delete it to plan the "
-        "time budget again from the step training resumes at.") from e
-  return plan
-
-
-def write_plan(workdir: str, plan: dict) -> None:
-  """Writes `plan` to workdir/time_plan.json atomically."""
-  path = os.path.join(workdir, PLAN_FILE)
-  temporary = path + ".tmp"
-  with open(temporary, "w") as f:
-    json.dump(plan, f, indent=1)
-  os.replace(temporary, path)

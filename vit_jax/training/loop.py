@@ -249,7 +249,7 @@ class TrainingLoop:
         tx=optim.make_optimizer(self.run.config, self.learning_rate_fn))
     self.phase = self.run.make_phase(self.state, self.learning_rate_fn)
 
-  def _measure_for_plan(self, done: int, last_batch) -> budget.Measurements:
+  def _measure_for_plan(self, done: int, last_batch) -> budget_tracker.Measurements:
     """Times what the plan needs, once each: compiling the eval step and
     one evaluation, a real checkpoint of step `done` written through, and
     (with an unmasked tuning) its step's compilation and a few of its
@@ -269,8 +269,8 @@ class TrainingLoop:
     run.manager.wait_until_finished()
     save = time.perf_counter() - tick
     if not run.spec.tuning_steps:
-      return budget.Measurements(eval_compile, evaluation, save)
-    return budget.Measurements(eval_compile, evaluation, save,
+      return budget_tracker.Measurements(eval_compile, evaluation, save)
+    return budget_tracker.Measurements(eval_compile, evaluation, save,
                                *self._time_tuning_steps(last_batch))
 
   def _time_tuning_steps(self, batch) -> tuple[float, float]:
@@ -281,7 +281,7 @@ class TrainingLoop:
     copy = copy.replace(apply_fn=self.run.unmasked_model.apply)
     tuning_fn = self.run.make_phase(copy, self.learning_rate_fn).train_fn
     seconds = []
-    for _ in range(1 + budget.MEASURED_TUNING_STEPS):
+    for _ in range(1 + budget_tracker.MEASURED_TUNING_STEPS):
       tick = time.perf_counter()
       copy, metrics = tuning_fn(copy, *batch)  # the step donates its input
       jax.block_until_ready(metrics)

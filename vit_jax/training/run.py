@@ -22,8 +22,8 @@ from vit_jax.data import augment, datasets
 from vit_jax.kernels import matmuls
 from vit_jax.model import options, variants, vit
 from vit_jax.runtime import sharding
-from vit_jax.training import (budget, dispatch, metric_writer, optim,
-                              steps)
+from vit_jax.training import (budget, budget_tracker, dispatch,
+                              metric_writer, optim, steps)
 
 log = metric_writer.log
 
@@ -86,7 +86,8 @@ def build_run(config: ml_collections.ConfigDict, workdir: str
   mesh = sharding.make_mesh(config.mesh)
   dataset = datasets.load(config)
   spec = config_lib.run_spec(config, mesh, dataset)
-  plan = budget.read_plan(workdir) if config.time_budget_minutes else None
+  plan = (budget_tracker.read_plan(workdir) if config.time_budget_minutes
+          else None)
   if plan is not None:
     log(f"Time budget: training to step {plan['total_steps']}, as planned "
         f"in {os.path.join(workdir, budget.PLAN_FILE)}.")
