@@ -153,7 +153,9 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
                                    **dict(throughput.DIMS, **fields))
   state = steps.create_train_state(model, (size, size, 3), optim.adamw(
       1e-3, weight_decay=0.05), 0, mesh)
-  step = throughput.jit_train_step()
+  # bfloat16 products take YNNPACK for their dots, as in the trainer.
+  step = throughput.jit_train_step(
+      matmuls.xla_compiler_options(fields.get("matmul_dtype")))
   start = time.perf_counter()
   with (elementwise_core() if attention_core == "elementwise"
         else contextlib.nullcontext()):
