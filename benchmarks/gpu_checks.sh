@@ -11,7 +11,8 @@
 #   dispatch       benchmarks/dispatch.py (one step a dispatch against 18)
 #   throughput     benchmarks/gpu_throughput.py with a profile (~5 min)
 #   flags          benchmarks/gpu_flags.py: XLA options for the ViT-L/16
-#                  train step, side by side in one process (~3 min)
+#                  train step, then for its forward pass, side by side in
+#                  one process each (~4 min)
 #   input          benchmarks/input_throughput.py: the streamed pipeline's
 #                  decode rate on the host's cores and the ViT-B/16 step
 #                  fed from it against from memory (~3 min)
@@ -83,6 +84,8 @@ for part in "${parts[@]}"; do
       ;;
     flags)
       python3 benchmarks/gpu_flags.py 2>&1 | tee "$out/gpu_flags.txt"
+      python3 benchmarks/gpu_flags.py --mode=infer 2>&1 \
+        | tee "$out/gpu_flags_infer.txt"
       ;;
     input)
       spare=$(( $(nproc) - 1 ))

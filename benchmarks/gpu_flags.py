@@ -2,11 +2,14 @@ r"""XLA:GPU compiler options for vit_jax's train step, side by side in one
 process.
 
   python benchmarks/gpu_flags.py                      # ViT-L/16, batch 128
+  python benchmarks/gpu_flags.py --mode=infer         # its forward, batch 256
   python benchmarks/gpu_flags.py --model=ViT-B/16 --batch=256 --rounds=5
   python benchmarks/gpu_flags.py --variants="as is,no Triton GEMMs"
 
 The train step of benchmarks/gpu_throughput.py's vit_jax worker (bfloat16
-compute, float32 parameters and AdamW state, cuDNN's flash attention) is
+compute, float32 parameters and AdamW state, cuDNN's flash attention), or
+with --mode=infer its inference program (bfloat16 parameters, the batch
+of gpu_throughput.py's inference race unless --batch says otherwise), is
 compiled once per variant below, each a dict of XLA debug options passed
 as `compiler_options` to that one compilation (the process's XLA_FLAGS
 stay as they are), plus one variant with the model's einsums in place of
@@ -32,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 # The race's sizes and preprocessing (benchmarks/, beside this file).
-from gpu_throughput import IMAGE_SIZE, NUM_CLASSES, preprocess
+from gpu_throughput import IMAGE_SIZE, MODELS, NUM_CLASSES, preprocess
 from vit_jax.model import variants
 from vit_jax.runtime import sharding
 from vit_jax.training import optim, steps
@@ -52,34 +55,42 @@ VARIANTS = {
 }
 
 
-def _train_step(model_name: str, attention: str):
-  """The model's jitted train step (no donation: every variant steps from
-  the same state) and its state."""
+def _program(model_name: str, attention: str, mode: str, images, labels):
+  """(the jitted program, its arguments): the model's train step (no
+  donation: every variant steps from the same state) with (state, images,
+  labels), or its bfloat16 forward pass with (params, images)."""
   model_config = variants.get_variant(model_name)
   model_config.dtype = "bfloat16"
   model_config.attention_implementation = attention
   model = variants.build_model(model_config, NUM_CLASSES)
+  if mode == "infer":
+    params = jax.jit(lambda key: jax.tree.map(
+        lambda p: p.astype(jnp.bfloat16), model.init(key, jnp.zeros(
+            (1, IMAGE_SIZE, IMAGE_SIZE, 3)))["params"]))(jax.random.PRNGKey(0))
+    forward = jax.jit(lambda p, x: model.apply({"params": p},
+                                               preprocess(x, None)))
+    return forward, (params, images)
   state = steps.create_train_state(
       model, (IMAGE_SIZE, IMAGE_SIZE, 3),
       optim.adamw(1e-3, weight_decay=0.05), 0, sharding.make_mesh())
   step = jax.jit(functools.partial(
       steps.train_step, preprocess=preprocess, label_smoothing=0.0,
       learning_rate_fn=lambda _: 1e-3))
-  return step, state
+  return step, (state, images, labels)
 
 
-def _compile(step, state, batch, options):
+def _compile(program, arguments, options):
   start = time.perf_counter()
-  compiled = step.lower(state, *batch).compile(compiler_options=options)
+  compiled = program.lower(*arguments).compile(compiler_options=options)
   return compiled, time.perf_counter() - start
 
 
-def _timed_round(compiled, state, batch, num_steps: int) -> float:
+def _timed_round(compiled, arguments, num_steps: int) -> float:
   """Seconds per step of num_steps steps run back to back."""
-  jax.block_until_ready(compiled(state, *batch))  # warm, and after a switch
+  jax.block_until_ready(compiled(*arguments))  # warm, and after a switch
   start = time.perf_counter()
   for _ in range(num_steps):  # only the last output kept: one new state
-    output = compiled(state, *batch)
+    output = compiled(*arguments)
   jax.block_until_ready(output)
   return (time.perf_counter() - start) / num_steps
 
@@ -87,7 +98,10 @@ def _timed_round(compiled, state, batch, num_steps: int) -> float:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--model", default="ViT-L/16")
-  parser.add_argument("--batch", type=int, default=128)
+  parser.add_argument("--mode", choices=("train", "infer"), default="train")
+  parser.add_argument("--batch", type=int,
+                      help="default: gpu_throughput.py's for the model and "
+                      "mode (ViT-L/16: 128 train, 256 infer)")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--variants", default=",".join(VARIANTS),
@@ -99,33 +113,37 @@ def main():
   if unknown:
     parser.error(f"unknown variants {sorted(unknown)}; choose from "
                  f"{list(VARIANTS)}")
+  if args.batch is None:
+    train_batch, infer_batch = MODELS.get(args.model, (128, 256))
+    args.batch = train_batch if args.mode == "train" else infer_batch
   print(f"Command: python benchmarks/gpu_flags.py --model={args.model} "
-        f"--batch={args.batch} --rounds={args.rounds} --steps={args.steps} "
-        f"--variants=\"{args.variants}\"")
+        f"--mode={args.mode} --batch={args.batch} --rounds={args.rounds} "
+        f"--steps={args.steps} --variants=\"{args.variants}\"")
   print(f"Device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
   key = jax.random.PRNGKey(0)
-  batch = (jax.random.randint(key, (args.batch, IMAGE_SIZE, IMAGE_SIZE, 3),
-                              0, 256).astype(jnp.uint8),
-           jax.random.randint(key, (args.batch,), 0, NUM_CLASSES))
+  images = jax.random.randint(key, (args.batch, IMAGE_SIZE, IMAGE_SIZE, 3),
+                              0, 256).astype(jnp.uint8)
+  labels = jax.random.randint(key, (args.batch,), 0, NUM_CLASSES)
   programs = {}
   for attention in ("auto", "einsum"):
     if attention == "einsum" and "einsum attention" not in chosen:
       continue
-    step, state = _train_step(args.model, attention)
+    program, arguments = _program(args.model, attention, args.mode, images,
+                                  labels)
     for name, options in VARIANTS.items():
       if name not in chosen or (options is None) != (attention == "einsum"):
         continue
       try:
-        compiled, seconds = _compile(step, state, batch, options or {})
+        compiled, seconds = _compile(program, arguments, options or {})
       except Exception as error:  # pylint: disable=broad-except
         print(f"{name}: failed to compile: {str(error)[:300]}")
         continue
-      programs[name] = (compiled, state)
+      programs[name] = (compiled, arguments)
       print(f"{name}: compiled in {seconds:.1f} s", flush=True)
   times = {name: [] for name in programs}
   for _ in range(args.rounds):
-    for name, (compiled, state) in programs.items():
-      times[name].append(_timed_round(compiled, state, batch, args.steps))
+    for name, (compiled, arguments) in programs.items():
+      times[name].append(_timed_round(compiled, arguments, args.steps))
   base = statistics.median(times["as is"])
   print("\n| variant | ms a step (median) | images/s | vs as is |")
   print("|---|---:|---:|---:|")

@@ -358,12 +358,14 @@ def test_throughput_benchmark_names_the_cpu_and_its_isa():
 
 
 @pytest.mark.slow
-def test_gpu_flags_benchmark_compares_its_variants():
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_gpu_flags_benchmark_compares_its_variants(mode):
   """benchmarks/gpu_flags.py at a toy size (on a CPU the GPU options
   compile and change nothing): one row per variant, the summary parses."""
   result = run_python(
       "benchmarks/gpu_flags.py", "--model=ViT-Ti/16", "--batch=2",
-      "--rounds=1", "--steps=1", "--variants=no Triton GEMMs", timeout=600)
+      f"--mode={mode}", "--rounds=1", "--steps=1",
+      "--variants=no Triton GEMMs", timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.strip().splitlines()
   rows = [line for line in lines
