@@ -507,7 +507,11 @@ def main():
         f"{' --matmul_dtype=bfloat16' if args.matmul_dtype == 'bfloat16' else ''}"
         f"{' --growth' if args.growth else ''}")
   cpu_model, isa = cpu_description()
-  print(f"CPU: {cpu_model}, {os.cpu_count()} cores; ISA: {' '.join(isa)}")
+  # The cores this process may use: `taskset -c 0,1` races two cores of a
+  # larger CPU, as vit_jax's devices and PyTorch's threads both follow the
+  # affinity mask.
+  print(f"CPU: {cpu_model}, {host.cpu_cores()} of {os.cpu_count()} cores; "
+        f"ISA: {' '.join(isa)}")
   if args.max_isa == "avx2":
     cpu_model += " capped at AVX2"
     print("Every library capped at AVX2 + FMA: " + " ".join(
