@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 
 # The race's sizes and preprocessing (benchmarks/, beside this file).
-from gpu_throughput import IMAGE_SIZE, MODELS, NUM_CLASSES, preprocess
+from gpu_throughput import (IMAGE_SIZE, MODELS, NUM_CLASSES, inference_program,
+                            preprocess)
 from vit_jax.model import variants
 from vit_jax.runtime import sharding
 from vit_jax.training import optim, steps
@@ -64,11 +65,7 @@ def _program(model_name: str, attention: str, mode: str, images, labels):
   model_config.attention_implementation = attention
   model = variants.build_model(model_config, NUM_CLASSES)
   if mode == "infer":
-    params = jax.jit(lambda key: jax.tree.map(
-        lambda p: p.astype(jnp.bfloat16), model.init(key, jnp.zeros(
-            (1, IMAGE_SIZE, IMAGE_SIZE, 3)))["params"]))(jax.random.PRNGKey(0))
-    forward = jax.jit(lambda p, x: model.apply({"params": p},
-                                               preprocess(x, None)))
+    forward, params = inference_program(model)
     return forward, (params, images)
   state = steps.create_train_state(
       model, (IMAGE_SIZE, IMAGE_SIZE, 3),
