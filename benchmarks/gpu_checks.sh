@@ -10,9 +10,9 @@
 #   fashion_mnist  the Fashion-MNIST recipe against the 94% / 3 min target
 #   dispatch       benchmarks/dispatch.py (one step a dispatch against 18)
 #   throughput     benchmarks/gpu_throughput.py with a profile (~5 min)
-#   flags          benchmarks/gpu_flags.py: XLA options for the ViT-L/16
-#                  train step, then for its forward pass, side by side in
-#                  one process each (~4 min)
+#   flags          benchmarks/gpu_flags.py: XLA options and model paths
+#                  for the ViT-L/16 train step, then for its forward pass,
+#                  side by side in one process each (~5 min)
 #   input          benchmarks/input_throughput.py: the streamed pipeline's
 #                  decode rate on the host's cores and the ViT-B/16 step
 #                  fed from it against from memory (~3 min)

@@ -1,5 +1,5 @@
-r"""XLA:GPU compiler options for vit_jax's train step, side by side in one
-process.
+r"""XLA:GPU compiler options and model paths for vit_jax's train step, side
+by side in one process.
 
   python benchmarks/gpu_flags.py                      # ViT-L/16, batch 128
   python benchmarks/gpu_flags.py --mode=infer         # its forward, batch 256
@@ -10,50 +10,105 @@ The train step of benchmarks/gpu_throughput.py's vit_jax worker (bfloat16
 compute, float32 parameters and AdamW state, cuDNN's flash attention), or
 with --mode=infer its inference program (bfloat16 parameters, the batch
 of gpu_throughput.py's inference race unless --batch says otherwise), is
-compiled once per variant below, each a dict of XLA debug options passed
-as `compiler_options` to that one compilation (the process's XLA_FLAGS
-stay as they are), plus one variant with the model's einsums in place of
-cuDNN's attention. Then the variants take turns: --rounds rounds, each
-variant --steps steps from the same state in every round, so all of them
-see the same GPU state and clocks; a difference of a couple of percent
-shows. A variant whose options this XLA does not know is reported as
-failed, and the rest run on.
+compiled once per variant below. A variant is a dict of XLA debug options
+passed as `compiler_options` to that one compilation (the process's
+XLA_FLAGS stay as they are), or a change to the model: the einsums in
+place of cuDNN's attention, or (training only) JAX's own gradients for the
+Dense layers' matmuls in place of vit_jax's backward passes, which were
+written for XLA:CPU (`vit_jax/kernels/matmuls.py`: the kernels' gradients
+in the orientation Eigen packs fastest, the GELU recomputed instead of
+stored). Then the variants take turns: --rounds rounds, each variant
+--steps steps from the same state in every round, so all of them see the
+same GPU state and clocks; a difference of a couple of percent shows. A
+variant whose options this XLA does not know is reported as failed, and
+the rest run on.
 
-Prints each variant's compile seconds, its median step and the as-is
-step over it (above 1: the variant is faster), then
+Prints each variant's compile seconds, XLA's scratch memory, its median
+step and the as-is step over it (above 1: the variant is faster), then
   summary: best=… best_over_as_is=…
 (below 1: the best variant's step is that much shorter). Why these
 variants: docs/gpu.md, *Where the ViT-L/16 train step's time goes*.
 """
 
+
 import argparse
+import contextlib
 import functools
 import statistics
 import time
+from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 # The race's sizes and preprocessing (benchmarks/, beside this file).
 from gpu_throughput import (IMAGE_SIZE, MODELS, NUM_CLASSES, inference_program,
                             preprocess)
+from vit_jax.kernels import matmuls
 from vit_jax.model import variants
 from vit_jax.runtime import sharding
 from vit_jax.training import optim, steps
 
-# name: XLA debug options (compiler_options), or None for the einsums.
+
+class Variant(NamedTuple):
+  """One compilation: XLA debug options and the model it compiles."""
+  options: dict
+  attention: str = "auto"  # config.model.attention_implementation
+  # "vit_jax": matmuls' backward passes; "jax": JAX's transposes, the
+  # GELU's output kept for the backward pass (training only).
+  matmul_gradients: str = "vit_jax"
+
+
 VARIANTS = {
-    "as is": {},
+    "as is": Variant({}),
     # cuBLAS for the products XLA now gives its Triton GEMM emitter.
-    "no Triton GEMMs": {"xla_gpu_enable_triton_gemm": False},
+    "no Triton GEMMs": Variant({"xla_gpu_enable_triton_gemm": False}),
     # cuDNN's LayerNorm kernels for XLA's LayerNorm reductions.
-    "cuDNN LayerNorm": {"xla_gpu_enable_cudnn_layer_norm": True},
+    "cuDNN LayerNorm": Variant({"xla_gpu_enable_cudnn_layer_norm": True}),
     # cuDNN's GEMM fusions (a product with its elementwise neighbours).
-    "cuDNN GEMM fusions": {"xla_gpu_cudnn_gemm_fusion_level": 2},
-    "cuBLASLt": {"xla_gpu_enable_cublaslt": True},
+    "cuDNN GEMM fusions": Variant({"xla_gpu_cudnn_gemm_fusion_level": 2}),
+    "cuBLASLt": Variant({"xla_gpu_enable_cublaslt": True}),
     # What cuDNN's flash attention buys over the einsums.
-    "einsum attention": None,
+    "einsum attention": Variant({}, attention="einsum"),
+    # What the CPU-tuned backward passes cost or save on a GPU, where
+    # memory is plentiful and cuBLAS takes either orientation.
+    "JAX's matmul gradients": Variant({}, matmul_gradients="jax"),
 }
+
+
+def _jax_dense_dot_general(inputs, kernel, dimension_numbers, precision=None,
+                           preferred_element_type=None, operand_dtype=None):
+  """`matmuls.dense_dot_general` without its backward pass."""
+  assert operand_dtype is None, "a GPU step computes in its dtype"
+  return jax.lax.dot_general(inputs, kernel, dimension_numbers,
+                             precision=precision,
+                             preferred_element_type=preferred_element_type)
+
+
+def _jax_gelu_dot_general(approximate=True, operand_dtype=None):
+  """`matmuls.gelu_dot_general` without its backward pass."""
+  def dot_general(inputs, kernel, *args, **kwargs):
+    return _jax_dense_dot_general(nn.gelu(inputs, approximate=approximate),
+                                  kernel, *args, operand_dtype=operand_dtype,
+                                  **kwargs)
+  return dot_general
+
+
+@contextlib.contextmanager
+def matmul_gradients(which: str):
+  """While active (around tracing), the model's Dense layers take `which`
+  gradients: "vit_jax" (as they are) or "jax" (module docstring)."""
+  real = matmuls.dense_dot_general, matmuls.gelu_dot_general
+  if which == "jax":
+    matmuls.dense_dot_general = _jax_dense_dot_general
+    matmuls.gelu_dot_general = _jax_gelu_dot_general
+  jax.clear_caches()  # jit caches traced blocks: none may serve across
+  try:
+    yield
+  finally:
+    matmuls.dense_dot_general, matmuls.gelu_dot_general = real
+    jax.clear_caches()
 
 
 def _program(model_name: str, attention: str, mode: str, images, labels):
@@ -76,10 +131,32 @@ def _program(model_name: str, attention: str, mode: str, images, labels):
   return step, (state, images, labels)
 
 
-def _compile(program, arguments, options):
+def _compile(program, arguments, variant: Variant):
   start = time.perf_counter()
-  compiled = program.lower(*arguments).compile(compiler_options=options)
+  with matmul_gradients(variant.matmul_gradients):
+    lowered = program.lower(*arguments)
+  compiled = lowered.compile(compiler_options=variant.options)
   return compiled, time.perf_counter() - start
+
+
+def _compile_all(chosen: list[str], args, images, labels) -> dict:
+  """{variant name: (compiled, arguments, compile s)} for those that
+  compile; one model (and train state) per attention implementation."""
+  programs, compiled_variants = {}, {}
+  for name in chosen:
+    variant = VARIANTS[name]
+    if variant.attention not in programs:
+      programs[variant.attention] = _program(args.model, variant.attention,
+                                             args.mode, images, labels)
+    program, arguments = programs[variant.attention]
+    try:
+      compiled, seconds = _compile(program, arguments, variant)
+    except Exception as error:  # pylint: disable=broad-except
+      print(f"{name}: failed to compile: {str(error)[:300]}")
+      continue
+    compiled_variants[name] = (compiled, arguments, seconds)
+    print(f"{name}: compiled in {seconds:.1f} s", flush=True)
+  return compiled_variants
 
 
 def _timed_round(compiled, arguments, num_steps: int) -> float:
@@ -92,7 +169,12 @@ def _timed_round(compiled, arguments, num_steps: int) -> float:
   return (time.perf_counter() - start) / num_steps
 
 
-def main():
+def _scratch_mib(compiled) -> float:
+  memory = compiled.memory_analysis()
+  return memory.temp_size_in_bytes / 2**20 if memory else float("nan")
+
+
+def _parse_args():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--model", default="ViT-L/16")
   parser.add_argument("--mode", choices=("train", "infer"), default="train")
@@ -103,16 +185,24 @@ def main():
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--variants", default=",".join(VARIANTS),
                       help="comma-separated names from VARIANTS; 'as is' "
-                      "always runs")
+                      "always runs; in --mode=infer those that change the "
+                      "gradients are left out")
   args = parser.parse_args()
-  chosen = {"as is", *args.variants.split(",")}
-  unknown = chosen - set(VARIANTS)
+  unknown = set(args.variants.split(",")) - set(VARIANTS)
   if unknown:
     parser.error(f"unknown variants {sorted(unknown)}; choose from "
                  f"{list(VARIANTS)}")
   if args.batch is None:
     train_batch, infer_batch = MODELS.get(args.model, (128, 256))
     args.batch = train_batch if args.mode == "train" else infer_batch
+  return args
+
+
+def main():
+  args = _parse_args()
+  chosen = [name for name, variant in VARIANTS.items()
+            if (name == "as is" or name in args.variants.split(","))
+            and (args.mode == "train" or variant.matmul_gradients == "vit_jax")]
   print(f"Command: python benchmarks/gpu_flags.py --model={args.model} "
         f"--mode={args.mode} --batch={args.batch} --rounds={args.rounds} "
         f"--steps={args.steps} --variants=\"{args.variants}\"")
@@ -121,33 +211,21 @@ def main():
   images = jax.random.randint(key, (args.batch, IMAGE_SIZE, IMAGE_SIZE, 3),
                               0, 256).astype(jnp.uint8)
   labels = jax.random.randint(key, (args.batch,), 0, NUM_CLASSES)
-  programs = {}
-  for attention in ("auto", "einsum"):
-    if attention == "einsum" and "einsum attention" not in chosen:
-      continue
-    program, arguments = _program(args.model, attention, args.mode, images,
-                                  labels)
-    for name, options in VARIANTS.items():
-      if name not in chosen or (options is None) != (attention == "einsum"):
-        continue
-      try:
-        compiled, seconds = _compile(program, arguments, options or {})
-      except Exception as error:  # pylint: disable=broad-except
-        print(f"{name}: failed to compile: {str(error)[:300]}")
-        continue
-      programs[name] = (compiled, arguments)
-      print(f"{name}: compiled in {seconds:.1f} s", flush=True)
+  programs = _compile_all(chosen, args, images, labels)
   times = {name: [] for name in programs}
   for _ in range(args.rounds):
-    for name, (compiled, arguments) in programs.items():
+    for name, (compiled, arguments, _) in programs.items():
       times[name].append(_timed_round(compiled, arguments, args.steps))
   base = statistics.median(times["as is"])
-  print("\n| variant | ms a step (median) | images/s | vs as is |")
-  print("|---|---:|---:|---:|")
+  print("\n| variant | ms a step (median) | images/s | vs as is | "
+        "compile s | scratch MiB |")
+  print("|---|---:|---:|---:|---:|---:|")
   for name, rounds in times.items():
     median = statistics.median(rounds)
+    compiled, _, seconds = programs[name]
     print(f"| {name} | {1e3 * median:.1f} | {args.batch / median:.0f} | "
-          f"{base / median:.3f} |")
+          f"{base / median:.3f} | {seconds:.1f} | "
+          f"{_scratch_mib(compiled):.0f} |")
   best = min(times, key=lambda name: statistics.median(times[name]))
   print(f"summary: best=\"{best}\" best_over_as_is="
         f"{statistics.median(times[best]) / base:.3f}")

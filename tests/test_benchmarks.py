@@ -209,6 +209,48 @@ def test_step_ab_elementwise_core_takes_the_attention_core_out():
   assert core_shape in program()
 
 
+def test_gpu_flags_jax_matmul_gradients_are_the_same_gradients():
+  """gpu_flags' "JAX's matmul gradients": while active a ViT traces
+  without vit_jax's custom backward passes and its gradients are the same
+  as with them (float32); before and after, they are there."""
+  import jax  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  try:
+    import gpu_flags  # pylint: disable=import-outside-toplevel
+  finally:
+    sys.path.pop(0)
+  from vit_jax.model import vit  # pylint: disable=import-outside-toplevel
+  model = vit.VisionTransformer(num_classes=3, patch_size=4, hidden_size=12,
+                                num_layers=2, num_heads=2, mlp_dim=24)
+  images = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 16, 3))
+  params = model.init(jax.random.PRNGKey(0), images)["params"]
+  # Every parameter moved off its init (the head's is zero, which would
+  # leave every other gradient zero).
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(2), len(leaves))
+  params = treedef.unflatten([
+      leaf + 0.1 * jax.random.normal(key, leaf.shape)
+      for leaf, key in zip(leaves, keys)])
+  loss = lambda params: (model.apply({"params": params}, images) ** 2).sum()
+  custom = lambda: bool(re.search(  # matmuls' backward rules
+      r"bwd=_(matmul_backward_rule|gelu_dot_backward)\b",
+      str(jax.make_jaxpr(loss)(params))))
+
+  assert custom()
+  expected = jax.grad(loss)(params)
+  with gpu_flags.matmul_gradients("jax"):
+    assert not custom()
+    gradients = jax.grad(loss)(params)
+  assert custom()
+  flat_expected = jax.tree_util.tree_flatten_with_path(expected)[0]
+  assert len(jax.tree.leaves(gradients)) == len(flat_expected) > 10
+  for got, (path, want) in zip(jax.tree.leaves(gradients), flat_expected):
+    # The keys' biases shift every logit of a query alike: no gradient.
+    if "'key']['bias']" not in jax.tree_util.keystr(path):
+      assert np.abs(want).max() > 1e-4, jax.tree_util.keystr(path)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
 def _throughput_module():
   spec = importlib.util.spec_from_file_location(
       "throughput", os.path.join(ROOT, "benchmarks", "throughput.py"))
@@ -365,13 +407,16 @@ def test_gpu_flags_benchmark_compares_its_variants(mode):
   result = run_python(
       "benchmarks/gpu_flags.py", "--model=ViT-Ti/16", "--batch=2",
       f"--mode={mode}", "--rounds=1", "--steps=1",
-      "--variants=no Triton GEMMs", timeout=600)
+      "--variants=no Triton GEMMs,JAX's matmul gradients", timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.strip().splitlines()
-  rows = [line for line in lines
-          if re.match(r"\| (as is|no Triton GEMMs) \|", line)]
-  assert len(rows) == 2, lines
+  rows = [line for line in lines if line.startswith("| ")][1:]
+  # The gradients' variant only where there are gradients.
+  names = ["as is", "no Triton GEMMs"] + ["JAX's matmul gradients"] * (
+      mode == "train")
+  assert [row.split("|")[1].strip() for row in rows] == names, lines
   assert float(rows[0].split("|")[4]) == 1.0  # as is against itself
+  assert all(float(row.split("|")[6]) > 0 for row in rows)  # scratch MiB
   summary = re.fullmatch(r'summary: best="([^"]+)" best_over_as_is=([\d.]+)',
                          lines[-1])
   assert summary and summary.group(1) in lines[-1], lines[-1]
