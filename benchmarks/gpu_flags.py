@@ -17,7 +17,9 @@ place of cuDNN's attention, or (training only) JAX's own gradients for the
 Dense layers' matmuls in place of vit_jax's backward passes, which were
 written for XLA:CPU (`vit_jax/kernels/matmuls.py`: the kernels' gradients
 in the orientation Eigen packs fastest, the GELU recomputed instead of
-stored). Then the variants take turns: --rounds rounds, each variant
+stored), or (inference only) cuDNN's attention on the model's odd token
+counts without the padding token and mask that its backward pass needs.
+Then the variants take turns: --rounds rounds, each variant
 --steps steps from the same state in every round, so all of them see the
 same GPU state and clocks; a difference of a couple of percent shows. A
 variant whose options this XLA does not know is reported as failed, and
@@ -45,7 +47,7 @@ import jax.numpy as jnp
 # The race's sizes and preprocessing (benchmarks/, beside this file).
 from gpu_throughput import (IMAGE_SIZE, MODELS, NUM_CLASSES, inference_program,
                             preprocess)
-from vit_jax.kernels import matmuls
+from vit_jax.kernels import attention, matmuls
 from vit_jax.model import variants
 from vit_jax.runtime import sharding
 from vit_jax.training import optim, steps
@@ -58,6 +60,15 @@ class Variant(NamedTuple):
   # "vit_jax": matmuls' backward passes; "jax": JAX's transposes, the
   # GELU's output kept for the backward pass (training only).
   matmul_gradients: str = "vit_jax"
+  # False: cuDNN's attention on the odd token counts themselves, which its
+  # forward pass takes (inference only; attention.dot_product_attention).
+  pad_for_cudnn: bool = True
+
+  def trains_only(self) -> bool:
+    return self.matmul_gradients != "vit_jax"
+
+  def infers_only(self) -> bool:
+    return not self.pad_for_cudnn
 
 
 VARIANTS = {
@@ -74,6 +85,8 @@ VARIANTS = {
     # What the CPU-tuned backward passes cost or save on a GPU, where
     # memory is plentiful and cuBLAS takes either orientation.
     "JAX's matmul gradients": Variant({}, matmul_gradients="jax"),
+    # The padded token and cuDNN's padding mask, where nothing needs them.
+    "unpadded cuDNN attention": Variant({}, pad_for_cudnn=False),
 }
 
 
@@ -96,18 +109,23 @@ def _jax_gelu_dot_general(approximate=True, operand_dtype=None):
 
 
 @contextlib.contextmanager
-def matmul_gradients(which: str):
-  """While active (around tracing), the model's Dense layers take `which`
-  gradients: "vit_jax" (as they are) or "jax" (module docstring)."""
-  real = matmuls.dense_dot_general, matmuls.gelu_dot_general
-  if which == "jax":
+def model_paths(variant: Variant):
+  """While active (around tracing), the model's Dense layers take the
+  variant's matmul gradients ("vit_jax" as they are, or "jax": module
+  docstring) and its attention pads for cuDNN or not."""
+  real = (matmuls.dense_dot_general, matmuls.gelu_dot_general,
+          attention.needs_even_tokens)
+  if variant.matmul_gradients == "jax":
     matmuls.dense_dot_general = _jax_dense_dot_general
     matmuls.gelu_dot_general = _jax_gelu_dot_general
+  if not variant.pad_for_cudnn:
+    attention.needs_even_tokens = lambda implementation: False
   jax.clear_caches()  # jit caches traced blocks: none may serve across
   try:
     yield
   finally:
-    matmuls.dense_dot_general, matmuls.gelu_dot_general = real
+    (matmuls.dense_dot_general, matmuls.gelu_dot_general,
+     attention.needs_even_tokens) = real
     jax.clear_caches()
 
 
@@ -133,7 +151,7 @@ def _program(model_name: str, attention: str, mode: str, images, labels):
 
 def _compile(program, arguments, variant: Variant):
   start = time.perf_counter()
-  with matmul_gradients(variant.matmul_gradients):
+  with model_paths(variant):
     lowered = program.lower(*arguments)
   compiled = lowered.compile(compiler_options=variant.options)
   return compiled, time.perf_counter() - start
@@ -185,8 +203,7 @@ def _parse_args():
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--variants", default=",".join(VARIANTS),
                       help="comma-separated names from VARIANTS; 'as is' "
-                      "always runs; in --mode=infer those that change the "
-                      "gradients are left out")
+                      "always runs; those for the other mode are left out")
   args = parser.parse_args()
   unknown = set(args.variants.split(",")) - set(VARIANTS)
   if unknown:
@@ -202,7 +219,8 @@ def main():
   args = _parse_args()
   chosen = [name for name, variant in VARIANTS.items()
             if (name == "as is" or name in args.variants.split(","))
-            and (args.mode == "train" or variant.matmul_gradients == "vit_jax")]
+            and not (variant.trains_only() if args.mode == "infer"
+                     else variant.infers_only())]
   print(f"Command: python benchmarks/gpu_flags.py --model={args.model} "
         f"--mode={args.mode} --batch={args.batch} --rounds={args.rounds} "
         f"--steps={args.steps} --variants=\"{args.variants}\"")

@@ -238,7 +238,7 @@ def test_gpu_flags_jax_matmul_gradients_are_the_same_gradients():
 
   assert custom()
   expected = jax.grad(loss)(params)
-  with gpu_flags.matmul_gradients("jax"):
+  with gpu_flags.model_paths(gpu_flags.VARIANTS["JAX's matmul gradients"]):
     assert not custom()
     gradients = jax.grad(loss)(params)
   assert custom()
@@ -249,6 +249,22 @@ def test_gpu_flags_jax_matmul_gradients_are_the_same_gradients():
     if "'key']['bias']" not in jax.tree_util.keystr(path):
       assert np.abs(want).max() > 1e-4, jax.tree_util.keystr(path)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_gpu_flags_unpadded_variant_stops_the_padding_for_cudnn_only_inside():
+  """gpu_flags' "unpadded cuDNN attention": the model pads for cuDNN
+  before and after, not while it is active."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  try:
+    import gpu_flags  # pylint: disable=import-outside-toplevel
+  finally:
+    sys.path.pop(0)
+  from vit_jax.kernels import attention  # pylint: disable=import-outside-toplevel
+  assert attention.needs_even_tokens("cudnn")
+  with gpu_flags.model_paths(gpu_flags.VARIANTS["unpadded cuDNN attention"]):
+    assert not attention.needs_even_tokens("cudnn")
+  assert attention.needs_even_tokens("cudnn")
+  assert not attention.needs_even_tokens("xla")
 
 
 def _throughput_module():
@@ -407,13 +423,15 @@ def test_gpu_flags_benchmark_compares_its_variants(mode):
   result = run_python(
       "benchmarks/gpu_flags.py", "--model=ViT-Ti/16", "--batch=2",
       f"--mode={mode}", "--rounds=1", "--steps=1",
-      "--variants=no Triton GEMMs,JAX's matmul gradients", timeout=600)
+      "--variants=no Triton GEMMs,JAX's matmul gradients,"
+      "unpadded cuDNN attention", timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.strip().splitlines()
   rows = [line for line in lines if line.startswith("| ")][1:]
-  # The gradients' variant only where there are gradients.
-  names = ["as is", "no Triton GEMMs"] + ["JAX's matmul gradients"] * (
-      mode == "train")
+  # Each mode's own variants only.
+  names = ["as is", "no Triton GEMMs", {
+      "train": "JAX's matmul gradients",
+      "infer": "unpadded cuDNN attention"}[mode]]
   assert [row.split("|")[1].strip() for row in rows] == names, lines
   assert float(rows[0].split("|")[4]) == 1.0  # as is against itself
   assert all(float(row.split("|")[6]) > 0 for row in rows)  # scratch MiB
