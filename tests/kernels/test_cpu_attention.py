@@ -1,6 +1,7 @@
 """vit_jax's C++ attention kernel for XLA:CPU (`vit_jax.kernels.cpu_attention`):
 values and gradients against a float64 NumPy reference, vmap, sharding, the
-model taking it, and the build's failures (where "auto" picks it:
+model taking it, the build's failures, its builds for older x86 instruction
+sets and for Arm (cross-compiled, run under qemu) (where "auto" picks it:
 test_attention.py)."""
 
 import os
@@ -226,3 +227,64 @@ def test_the_avx2_and_sse_builds_match_the_reference_too(tmp_path, march):
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
   assert " passed" in result.stdout and "skipped" not in result.stdout
   assert len(list(tmp_path.glob("attention_cpu-*.so"))) == 1  # its own build
+
+
+ARM_COMPILER = "aarch64-linux-gnu-g++"
+needs_arm_tools = pytest.mark.skipif(
+    not (shutil.which(ARM_COMPILER) and shutil.which("qemu-aarch64")),
+    reason="needs Debian's g++-aarch64-linux-gnu and qemu-user (.ci/run "
+    "installs them)")
+
+
+@needs_arm_tools
+def test_on_arm_the_build_takes_the_cpu_flag_or_builds_without_it(
+    tmp_path, monkeypatch):
+  """On Arm the kernel is built with -mcpu=native, and where the compiler
+  rejects that (clang before 15, or this cross compiler, which has no
+  native CPU) without a CPU flag: an aarch64 library either way, cached."""
+  monkeypatch.setenv("VIT_JAX_CACHE_DIR", str(tmp_path))
+  monkeypatch.delenv(cpu_attention.MARCH_VARIABLE, raising=False)
+  monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+  assert cpu_attention.target_flags() == [("-mcpu=native",), ()]
+  library = cpu_attention.build(ARM_COMPILER)
+  with open(library, "rb") as f:
+    header = f.read(20)
+  assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20],
+                                                     "little") == 183  # AArch64
+  assert cpu_attention.build(ARM_COMPILER) == library  # found, not rebuilt
+  assert [path.name for path in tmp_path.iterdir()] == [library.name]
+
+
+def _pair_check(compiler: str, flags: list[str], runner: list[str],
+                tmp_path) -> list[str]:
+  """tests/kernels/attention_pair_check.cc built by compiler with flags and
+  run (under runner): its output lines, after asserting it passed."""
+  check = os.path.join(os.path.dirname(__file__), "attention_pair_check.cc")
+  program = tmp_path / "attention_pair_check"
+  subprocess.run(
+      [compiler, "-O3", "-ffp-contract=fast", "-std=c++17", "-w", *flags,
+       f"-I{jax.ffi.include_dir()}", f"-I{cpu_attention.SOURCE.parent}",
+       check, "-o", str(program)], check=True, capture_output=True)
+  result = subprocess.run([*runner, str(program)], capture_output=True,
+                          text=True, check=False, timeout=300)
+  lines = result.stdout.splitlines()
+  assert result.returncode == 0 and len(lines) == 6, result.stdout
+  assert all(line.startswith("ok ") for line in lines), result.stdout
+  return lines
+
+
+def test_one_pair_matches_double_precision_without_jax(tmp_path):
+  """The kernel's arithmetic for one (batch, head) pair, built for this CPU
+  as `build` builds it, against double precision
+  (tests/kernels/attention_pair_check.cc: 197, 65 and odd token counts)."""
+  lines = _pair_check(os.environ.get("CXX", "c++"),
+                      list(cpu_attention.target_flags()[0]), [], tmp_path)
+  assert all("tile=6x" in line for line in lines)
+
+
+@needs_arm_tools
+def test_the_arm_build_matches_double_precision_under_qemu(tmp_path):
+  """The same for aarch64 (NEON: 4-float vectors in 6 x 4 tiles, which no
+  x86 build compiles), cross-compiled and run under qemu."""
+  lines = _pair_check(ARM_COMPILER, ["-static"], ["qemu-aarch64"], tmp_path)
+  assert all("lanes=4 tile=6x4" in line for line in lines)

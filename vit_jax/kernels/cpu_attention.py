@@ -12,9 +12,10 @@ backward pass as the einsums do.
 
 The kernel is compiled from source with the system's C++ compiler (`$CXX`,
 else `c++`) the first time it is needed on a machine, for that machine's CPU
-(-march=native), and cached under `$VIT_JAX_CACHE_DIR` (default
-~/.cache/vit_jax). Without a compiler, or if the build fails, `problem`
-says why and the model takes its einsums ("auto") or raises ("cpu_kernel").
+(-march=native on x86, -mcpu=native on Arm), and cached under
+`$VIT_JAX_CACHE_DIR` (default ~/.cache/vit_jax). Without a compiler, or if
+the build fails, `problem` says why and the model takes its einsums
+("auto") or raises ("cpu_kernel").
 
 `attention_core` is differentiable and shards over batch and heads: under
 `jax.jit` with a batch-split mesh each device runs the kernel on its own
@@ -67,21 +68,53 @@ def _cpu_signature() -> str:
     return platform.processor()
 
 
-def build(compiler: Optional[str] = None) -> pathlib.Path:
-  """The kernel's shared library, compiled now unless cached. Raises
-  RuntimeError naming the problem if it cannot be built."""
-  compiler = compiler or os.environ.get("CXX", "c++")
-  if shutil.which(compiler) is None:
-    raise RuntimeError(f"no C++ compiler {compiler!r} on PATH (set CXX or "
-                       "install g++ or clang++)")
-  flags = (*_FLAGS, f"-march={os.environ.get(MARCH_VARIABLE) or 'native'}")
+def target_flags() -> list[tuple[str, ...]]:
+  """The flags that pick the kernel's instruction set, to try in turn."""
+  if os.environ.get(MARCH_VARIABLE):
+    return [(f"-march={os.environ[MARCH_VARIABLE]}",)]
+  if platform.machine().lower() in ("arm64", "aarch64"):
+    # Arm's compilers take the CPU as -mcpu (clang before 15 rejects
+    # -march=native there). Every 64-bit Arm core has NEON, whose 4-float
+    # vectors the kernel uses, so a build without the flag runs it too.
+    return [("-mcpu=native",), ()]
+  return [("-march=native",)]
+
+
+def _library_path(compiler: str, flags: tuple[str, ...]) -> pathlib.Path:
+  """Where the kernel built by compiler with flags is cached: one file per
+  source, compiler, flags, JAX and CPU."""
   key = hashlib.sha256("\0".join(
       [SOURCE.read_text(), compiler, *flags, jax.ffi.include_dir(),
        jax.__version__, platform.machine(), _cpu_signature()]).encode()
                       ).hexdigest()[:16]
-  library = cache_dir() / f"attention_cpu-{key}.so"
-  if library.exists():
-    return library
+  return cache_dir() / f"attention_cpu-{key}.so"
+
+
+def build(compiler: Optional[str] = None) -> pathlib.Path:
+  """The kernel's shared library, compiled now unless cached: with the
+  first of `target_flags` that the compiler takes. Raises RuntimeError
+  naming the problem if it cannot be built."""
+  compiler = compiler or os.environ.get("CXX", "c++")
+  if shutil.which(compiler) is None:
+    raise RuntimeError(f"no C++ compiler {compiler!r} on PATH (set CXX or "
+                       "install g++ or clang++)")
+  candidates = [(*_FLAGS, *target) for target in target_flags()]
+  for flags in candidates:
+    if _library_path(compiler, flags).exists():
+      return _library_path(compiler, flags)
+  failures = []
+  for flags in candidates:
+    try:
+      return _compile(compiler, flags, _library_path(compiler, flags))
+    except RuntimeError as error:
+      failures.append(str(error))
+  raise RuntimeError("\n".join(failures))
+
+
+def _compile(compiler: str, flags: tuple[str, ...],
+             library: pathlib.Path) -> pathlib.Path:
+  """Compiles the kernel into library; RuntimeError with the compiler's
+  message if it fails."""
   library.parent.mkdir(parents=True, exist_ok=True)
   # Built beside its final name and renamed into place: a concurrent
   # process (another host of a job) never loads a half-written file.
