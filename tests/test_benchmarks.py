@@ -1,6 +1,6 @@
 """The benchmark scripts run as documented and print their summary line."""
 
-import importlib.util
+import importlib
 import json
 import os
 import re
@@ -20,6 +20,17 @@ def _run(*args: str, env: dict[str, str] | None = None,
   result = run_python(*args, env=env, timeout=timeout)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout.strip().splitlines()
+
+
+def _benchmark_module(name: str):
+  """benchmarks/<name>.py, imported as the scripts import each other (the
+  folder on sys.path while it loads: gpu_throughput imports gpu_profile,
+  step_ab throughput); once per process, as step_ab defines absl flags."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  try:
+    return importlib.import_module(name)
+  finally:
+    sys.path.pop(0)
 
 
 @pytest.mark.slow
@@ -163,11 +174,7 @@ def test_step_ab_kernel_gradients_agree():
   """step_ab's "jax" kernel gradient (JAX's transpose-rule orientation)
   and vit_jax's give the same inputs^T @ output_grad, narrow and wide."""
   import jax  # pylint: disable=import-outside-toplevel
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  try:
-    import step_ab  # pylint: disable=import-outside-toplevel
-  finally:
-    sys.path.pop(0)
+  step_ab = _benchmark_module("step_ab")
   from vit_jax.kernels import matmuls  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(0)
   for depth, width in ((6, 20), (20, 6)):
@@ -185,11 +192,7 @@ def test_step_ab_elementwise_core_takes_the_attention_core_out():
   einsums are the real ones; before and after, the core is there."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  try:
-    import step_ab  # pylint: disable=import-outside-toplevel
-  finally:
-    sys.path.pop(0)
+  step_ab = _benchmark_module("step_ab")
   from vit_jax.model import vit  # pylint: disable=import-outside-toplevel
   model = vit.VisionTransformer(num_classes=3, patch_size=4, hidden_size=12,
                                    num_layers=2, num_heads=2, mlp_dim=24)
@@ -214,11 +217,7 @@ def test_gpu_flags_jax_matmul_gradients_are_the_same_gradients():
   without vit_jax's custom backward passes and its gradients are the same
   as with them (float32); before and after, they are there."""
   import jax  # pylint: disable=import-outside-toplevel
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  try:
-    import gpu_flags  # pylint: disable=import-outside-toplevel
-  finally:
-    sys.path.pop(0)
+  gpu_flags = _benchmark_module("gpu_flags")
   from vit_jax.model import vit  # pylint: disable=import-outside-toplevel
   model = vit.VisionTransformer(num_classes=3, patch_size=4, hidden_size=12,
                                 num_layers=2, num_heads=2, mlp_dim=24)
@@ -254,11 +253,7 @@ def test_gpu_flags_jax_matmul_gradients_are_the_same_gradients():
 def test_gpu_flags_unpadded_variant_stops_the_padding_for_cudnn_only_inside():
   """gpu_flags' "unpadded cuDNN attention": the model pads for cuDNN
   before and after, not while it is active."""
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  try:
-    import gpu_flags  # pylint: disable=import-outside-toplevel
-  finally:
-    sys.path.pop(0)
+  gpu_flags = _benchmark_module("gpu_flags")
   from vit_jax.kernels import attention  # pylint: disable=import-outside-toplevel
   assert attention.needs_even_tokens("cudnn")
   with gpu_flags.model_paths(gpu_flags.VARIANTS["unpadded cuDNN attention"]):
@@ -267,21 +262,13 @@ def test_gpu_flags_unpadded_variant_stops_the_padding_for_cudnn_only_inside():
   assert not attention.needs_even_tokens("xla")
 
 
-def _throughput_module():
-  spec = importlib.util.spec_from_file_location(
-      "throughput", os.path.join(ROOT, "benchmarks", "throughput.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def test_dense_products_are_a_dense_layers_forward_and_gradients():
   """The GEMM worker's three products, in jax and in torch, are y = x.W and
   the gradients of sum(y * dy) by x and W that autodiff computes, with the
   operand and result shapes the worker allocates."""
   import jax  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
-  throughput = _throughput_module()
+  throughput = _benchmark_module("throughput")
   rows, k, n = 12, 5, 7
   rng = np.random.default_rng(0)
   x, w, dy = (rng.normal(size=shape).astype(np.float32)
@@ -305,26 +292,13 @@ def test_dense_product_rates_weigh_each_width_by_its_flops():
   """Two widths at 100 and 300 GFLOP/s, the second 3x the FLOPs: the
   product's rate is total FLOPs over total time, 1.5e9 x (1 + 3) /
   (1.5e9 / 100 + 4.5e9 / 300) = 200."""
-  throughput = _throughput_module()
+  throughput = _benchmark_module("throughput")
   rates = {"x.W 1000x500x1500": 100.0, "x.W 1000x1500x1500": 300.0,
            "2048x2048x2048": 1.0}  # not a Dense product: not counted
   rates.update({f"{p} 10x10x10": 50.0 for p in ("dy.W^T", "x^T.dy")})
   result = throughput.dense_product_rates(rates)
   assert result["x.W"] == pytest.approx(200.0)
   assert result["dy.W^T"] == pytest.approx(50.0)
-
-
-def _benchmark_module(name: str):
-  benchmarks = os.path.join(ROOT, "benchmarks")
-  sys.path.insert(0, benchmarks)  # gpu_throughput imports gpu_profile
-  try:
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(benchmarks, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-  finally:
-    sys.path.remove(benchmarks)
-  return module
 
 
 @pytest.mark.parametrize("name", ["ViT-Ti/16", "ViT-B/16"])
@@ -406,7 +380,7 @@ def test_gpu_profile_sums_kernels_of_gpu_streams_by_class(tmp_path):
 def test_throughput_benchmark_names_the_cpu_and_its_isa():
   """The CPU model and ISA flags the benchmark prints (and puts in its
   summary line) are /proc/cpuinfo's."""
-  model, isa = _throughput_module().cpu_description()
+  model, isa = _benchmark_module("throughput").cpu_description()
   with open("/proc/cpuinfo") as f:
     cpuinfo = f.read()
   assert model and model in cpuinfo

@@ -98,14 +98,15 @@ def build(compiler: Optional[str] = None) -> pathlib.Path:
   if shutil.which(compiler) is None:
     raise RuntimeError(f"no C++ compiler {compiler!r} on PATH (set CXX or "
                        "install g++ or clang++)")
-  candidates = [(*_FLAGS, *target) for target in target_flags()]
-  for flags in candidates:
-    if _library_path(compiler, flags).exists():
-      return _library_path(compiler, flags)
+  flag_sets = [(*_FLAGS, *target) for target in target_flags()]
+  libraries = [_library_path(compiler, flags) for flags in flag_sets]
+  cached = [library for library in libraries if library.exists()]
+  if cached:
+    return cached[0]
   failures = []
-  for flags in candidates:
+  for flags, library in zip(flag_sets, libraries):
     try:
-      return _compile(compiler, flags, _library_path(compiler, flags))
+      return _compile(compiler, flags, library)
     except RuntimeError as error:
       failures.append(str(error))
   raise RuntimeError("\n".join(failures))
