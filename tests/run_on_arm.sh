@@ -49,15 +49,18 @@ if [ ! -x "$root/usr/bin/python3" ]; then
   ln -sf g++ "$root/usr/bin/c++"
 fi
 
-# The dependencies at the versions CI tests (pyproject.toml's bounds).
+# pyproject.toml's dependencies as CI resolves them, less tensorflow-datasets
+# and grain.
+mapfile -t requirements < <(python3 -c 'import tomllib
+for requirement in tomllib.load(open("pyproject.toml", "rb"))["project"][
+    "dependencies"]:
+  if not requirement.startswith(("tensorflow-datasets", "grain")):
+    print(requirement)')
 python3 -m pip install -q --upgrade --target "$root/opt/site" \
   --platform manylinux2014_aarch64 --platform manylinux_2_17_aarch64 \
   --platform manylinux_2_27_aarch64 --platform manylinux_2_28_aarch64 \
   --python-version 3.11 --implementation cp --abi cp311 \
-  --only-binary=:all: "jax==0.10.2" "jaxlib==0.10.2" "flax==0.12.8" \
-  "optax==0.2.8" "orbax-checkpoint==0.12.8" "ml-collections>=1.1,<2" \
-  "chex>=0.1.90,<0.2" "absl-py>=2.1,<3" "numpy>=2.0,<3" "ml_dtypes>=0.5,<1" \
-  "scipy>=1.13,<2" "pillow>=10,<14" tensorboardX pytest pytest-xdist
+  --only-binary=:all: "${requirements[@]}" tensorboardX pytest pytest-xdist
 
 rm -rf "$root/opt/vit_jax"
 mkdir -p "$root/opt/vit_jax" "$root/proc" "$root/tmp" "$root/root"
