@@ -133,79 +133,100 @@ def jit_train_step(compiler_options=None):
                  compiler_options=compiler_options)
 
 
+class JaxStep:
+  """vit_jax's real train step (or forward pass) on random data, compiled
+  as the race runs it; calling it runs one step and waits for it."""
+
+  def __init__(self, model_name: str, mode: str, image_size=None,
+               patch_size=None, batch=None, num_layers=None):
+    import jax
+    import jax.numpy as jnp
+    from vit_jax.kernels import matmuls
+    from vit_jax.model import vit
+    from vit_jax.runtime import sharding
+    from vit_jax.training import optim, steps
+
+    size, patch, _, _ = MODELS.get(model_name, (0, 0, 0, 0))
+    size, patch = image_size or size, patch_size or patch
+    self.mode, self.image_size, self.patch_size = mode, size, patch
+    self.batch = worker_batch(model_name, mode, batch)
+    dims = dict(DIMS, num_layers=num_layers or DIMS["num_layers"])
+    self.matmul_dtype = bench_matmul_dtype()
+    options = matmuls.xla_compiler_options(self.matmul_dtype)
+    self.model = vit.VisionTransformer(
+        num_classes=NUM_CLASSES, patch_size=patch,
+        matmul_dtype=self.matmul_dtype, **dims)
+    rng = np.random.default_rng(0)
+    self.mesh = sharding.make_mesh()  # one device unless --cpu_devices splits
+    self.images, self.labels = jax.device_put(
+        (rng.integers(0, 256, (self.batch, size, size, 3), np.uint8),
+         rng.integers(0, NUM_CLASSES, self.batch).astype(np.int32)),
+        sharding.batch_sharded(self.mesh))
+    if mode == "train":
+      self.state = steps.create_train_state(
+          self.model, (size, size, 3), optim.adamw(1e-3, weight_decay=0.05),
+          0, self.mesh)
+    else:  # no optimizer state to build
+      model = self.model
+      self.params = jax.jit(lambda key: model.init(key, jnp.zeros(
+          (1, size, size, 3)))["params"], out_shardings=sharding.replicated(
+              self.mesh))(jax.random.PRNGKey(0))
+
+    start = time.perf_counter()
+    if mode == "train":
+      step = jit_train_step(options)
+      lowered = step.trace(self.state, self.images, self.labels).lower()
+    else:
+      step = jax.jit(self._forward, compiler_options=options)
+      lowered = step.trace(self.params, self.images).lower()
+    self.trace_s = time.perf_counter() - start  # tracing and lowering
+    self.compiled = lowered.compile()
+    self.compile_s = time.perf_counter() - start
+
+  def _forward(self, params, images):
+    return self.model.apply({"params": params}, preprocess(images, None))
+
+  def __call__(self) -> None:
+    import jax
+    if self.mode == "train":
+      self.state, metrics = self.compiled(self.state, self.images,
+                                          self.labels)
+      jax.block_until_ready(metrics)
+    else:
+      jax.block_until_ready(self.compiled(self.params, self.images))
+
+  def xla_flops(self) -> float:
+    """XLA's FLOP count for the whole batch, of the einsums' program: the
+    compiled one's would be one device's share (within 1% of this on one
+    device), and XLA counts nothing inside the CPU attention kernel."""
+    import jax
+    from vit_jax.inspection import introspect
+    einsum_model = introspect.einsum_attention(self.model)
+    if self.mode == "train":
+      traced = jit_train_step().trace(
+          self.state.replace(apply_fn=einsum_model.apply), self.images,
+          self.labels)
+    else:
+      traced = jax.jit(lambda params, images: einsum_model.apply(
+          {"params": params}, preprocess(images, None))).trace(
+              self.params, self.images)
+    return (traced.lower().cost_analysis() or {}).get("flops", float("nan"))
+
+
 def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
                patch_size=None, batch=None, num_layers=None) -> dict:
   """vit_jax's real train_step (or apply) on random data; returns metrics."""
-  import jax
-  import jax.numpy as jnp
-  from vit_jax.inspection import introspect
-  from vit_jax.kernels import matmuls
-  from vit_jax.model import vit
-  from vit_jax.runtime import sharding
-  from vit_jax.training import optim, steps
-
-  size, patch, _, _ = MODELS.get(model_name, (0, 0, 0, 0))
-  size, patch = image_size or size, patch_size or patch
-  batch = worker_batch(model_name, mode, batch)
-  dims = dict(DIMS, num_layers=num_layers or DIMS["num_layers"])
-  matmul_dtype = bench_matmul_dtype()
-  options = matmuls.xla_compiler_options(matmul_dtype)
-  model = vit.VisionTransformer(num_classes=NUM_CLASSES, patch_size=patch,
-                                matmul_dtype=matmul_dtype, **dims)
-  rng = np.random.default_rng(0)
-  mesh = sharding.make_mesh()  # one device unless --cpu_devices splits
-  images, labels = jax.device_put(
-      (rng.integers(0, 256, (batch, size, size, 3), np.uint8),
-       rng.integers(0, NUM_CLASSES, batch).astype(np.int32)),
-      sharding.batch_sharded(mesh))
-  if mode == "train":
-    state = steps.create_train_state(model, (size, size, 3),
-                                     optim.adamw(1e-3, weight_decay=0.05), 0,
-                                     mesh)
-  else:  # no optimizer state to build
-    params = jax.jit(lambda key: model.init(key, jnp.zeros(
-        (1, size, size, 3)))["params"], out_shardings=sharding.replicated(
-            mesh))(jax.random.PRNGKey(0))
-
-  start = time.perf_counter()
-  if mode == "train":
-    step = jit_train_step(options)
-    lowered = step.trace(state, images, labels).lower()
-  else:
-    step = jax.jit(lambda params, images: model.apply(
-        {"params": params}, preprocess(images, None)),
-                   compiler_options=options)
-    lowered = step.trace(params, images).lower()
-  trace_s = time.perf_counter() - start  # Python tracing and lowering
-  compiled = lowered.compile()
-  compile_s = time.perf_counter() - start
-  memory = compiled.memory_analysis()
-  # XLA's count for the whole batch: the compiled program's would be one
-  # device's share (within 1% of this on one device). Of the einsums'
-  # program: XLA counts nothing inside the CPU attention kernel.
-  einsum_model = introspect.einsum_attention(model)
-  if mode == "train":
-    traced = step.trace(state.replace(apply_fn=einsum_model.apply), images,
-                        labels)
-  else:
-    traced = jax.jit(lambda params, images: einsum_model.apply(
-        {"params": params}, preprocess(images, None))).trace(params, images)
-  flops = (traced.lower().cost_analysis() or {}).get("flops", float("nan"))
-
-  if mode == "train":
-    def run():
-      nonlocal state
-      state, metrics = compiled(state, images, labels)
-      jax.block_until_ready(metrics)
-  else:
-    run = lambda: jax.block_until_ready(compiled(params, images))
-  seconds = _time_steps(run, num_steps)
-  return {"images_per_s": batch / seconds, "flops_per_image": flops / batch,
-          "compile_s": compile_s, "trace_s": trace_s,
+  step = JaxStep(model_name, mode, image_size, patch_size, batch, num_layers)
+  memory = step.compiled.memory_analysis()
+  flops = step.xla_flops()
+  seconds = _time_steps(step, num_steps)
+  return {"images_per_s": step.batch / seconds,
+          "flops_per_image": flops / step.batch,
+          "compile_s": step.compile_s, "trace_s": step.trace_s,
           "peak_rss_mib": _peak_rss_mib(),
           "xla_temp_mib": memory.temp_size_in_bytes / 2**20 if memory else 0,
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
-          "matmul_dtype": matmul_dtype or "float32"}
+          "matmul_dtype": step.matmul_dtype or "float32"}
 
 
 def torch_worker(impl: str, model_name: str, mode: str, steps: int) -> dict:
@@ -375,6 +396,27 @@ AVX2_ONLY_ENVIRONMENT = {
     "MKL_ENABLE_INSTRUCTIONS": "AVX2", "VIT_JAX_KERNEL_MARCH": "x86-64-v3"}
 
 
+def worker_environment(fast_malloc: bool, max_isa: str,
+                       matmul_dtype: str) -> dict:
+  """The environment every worker runs with: main.py's malloc settings
+  (unless not fast_malloc), --max_isa's caps and --matmul_dtype."""
+  from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
+  env = dict(os.environ)
+  if fast_malloc:
+    env.update(host.fast_malloc_environment(env, host.find_tcmalloc()))
+  # torch.compile's cache beside vit_jax's XLA cache, not in /tmp (which
+  # machines clean): the first run compiles cold (~1 min per workload),
+  # later runs load.
+  env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+      os.path.dirname(host.default_cache_dir()), "torchinductor"))
+  if max_isa == "avx2":
+    env.update(AVX2_ONLY_ENVIRONMENT,
+               XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} "
+               "--xla_cpu_max_isa=AVX2".strip())
+  env[MATMUL_DTYPE_VARIABLE] = matmul_dtype if matmul_dtype != "float32" else ""
+  return env
+
+
 def cpu_description() -> tuple[str, list[str]]:
   """The CPU's model name and which of `_ISA_FLAGS` it has (Linux
   /proc/cpuinfo; x86 "flags" or Arm "Features")."""
@@ -441,21 +483,8 @@ def main():
     print(json.dumps(result), flush=True)
     os._exit(0)  # skips tearing down torch or JAX: up to ~1.3 s a worker
 
-  env = dict(os.environ)
   from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
-  if args.fast_malloc:
-    env.update(host.fast_malloc_environment(env, host.find_tcmalloc()))
-  # torch.compile's cache beside vit_jax's XLA cache, not in /tmp (which
-  # machines clean): the first run compiles cold (~1 min per workload),
-  # later runs load.
-  env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
-      os.path.dirname(host.default_cache_dir()), "torchinductor"))
-  if args.max_isa == "avx2":
-    env.update(AVX2_ONLY_ENVIRONMENT,
-               XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} "
-               "--xla_cpu_max_isa=AVX2".strip())
-  env[MATMUL_DTYPE_VARIABLE] = (args.matmul_dtype
-                                if args.matmul_dtype != "float32" else "")
+  env = worker_environment(args.fast_malloc, args.max_isa, args.matmul_dtype)
   started = time.perf_counter()
   loads = [machine_load()]
   gemm = {lib: spawn([f"--impl=gemm-{lib}"], env) for lib in ("torch", "jax")}

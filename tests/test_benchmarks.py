@@ -434,3 +434,172 @@ def test_input_benchmark_prints_its_summary(tmp_path):
   worker_mib = [float(line.split("its worker ")[1].rstrip(")"))
                 for line in lines if "its worker" in line]
   assert worker_mib and max(worker_mib) < 450, lines
+
+
+# A train step's program as XLA:CPU prints it, cut down to one of each kind
+# of thunk cpu_profile.py tells apart (the shapes of a (4 -> 6) Dense layer
+# on 8 rows).
+_TINY_HLO = r"""HloModule jit_train_step, entry_computation_layout={()}
+
+%fused_computation (param_0: f32[8,4], param_1: f32[4,6]) -> f32[8,6] {
+  %param_0 = f32[8,4]{1,0} parameter(0)
+  %param_1 = f32[4,6]{1,0} parameter(1)
+  ROOT %dot.1 = f32[8,6]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(train_step)/jvp(VisionTransformer)/Transformer/MlpBlock_3/Dense_0/dot_general"}
+}
+
+%transpose_computation (param_0.1: f32[4,6]) -> f32[6,4] {
+  %param_0.1 = f32[4,6]{1,0} parameter(0)
+  ROOT %transpose.1 = f32[6,4]{1,0} transpose(%param_0.1), dimensions={1,0}
+}
+
+%wrapped_reduce-window_computation (param_0.2: f32[8,6], param_1.2: f32[]) -> f32[1,6] {
+  %param_0.2 = f32[8,6]{1,0} parameter(0)
+  %param_1.2 = f32[] parameter(1)
+  ROOT %reduce-window.1 = f32[1,6]{1,0} reduce-window(%param_0.2, %param_1.2), window={size=8x1}, to_apply=%add
+}
+
+%norm_computation (param_0.3: f32[1,6]) -> f32[1,6] {
+  %param_0.3 = f32[1,6]{1,0} parameter(0)
+  ROOT %sqrt.1 = f32[1,6]{1,0} sqrt(%param_0.3), metadata={op_name="jit(train_step)/jvp(VisionTransformer)/Transformer/LayerNorm_0/sqrt"}
+}
+
+%update_computation (param_0.4: f32[4,6], param_1.4: f32[4,6]) -> f32[4,6] {
+  %param_0.4 = f32[4,6]{1,0} parameter(0)
+  %param_1.4 = f32[4,6]{1,0} parameter(1)
+  ROOT %subtract.1 = f32[4,6]{1,0} subtract(%param_0.4, %param_1.4), metadata={op_name="jit(train_step)/optimizer/jit(leaf_update)/sub"}
+}
+
+ENTRY %main.1 (p0: f32[4,6], p1: f32[8,4], p2: f32[8,6]) -> (f32[4,6], f32[1,6]) {
+  %p0 = f32[4,6]{1,0} parameter(0), metadata={op_name="state.params[\'Dense_0\'][\'kernel\']"}
+  %p1 = f32[8,4]{1,0} parameter(1), metadata={op_name="images"}
+  %p2 = f32[8,6]{1,0} parameter(2), metadata={op_name="dy"}
+  %c = f32[] constant(0)
+  %ynn_fusion.1 = f32[8,6]{1,0} fusion(%p1, %p0), kind=kCustom, calls=%fused_computation, metadata={op_name="jit(train_step)/jvp(VisionTransformer)/Transformer/MlpBlock_3/Dense_0/dot_general"}
+  %transpose_copy_fusion = f32[6,4]{1,0} fusion(%p0), kind=kLoop, calls=%transpose_computation
+  %dot.2 = f32[8,4]{1,0} dot(%p2, %transpose_copy_fusion), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(train_step)/transpose(jvp(VisionTransformer))/Transformer/MlpBlock_3/Dense_0/dot_general"}
+  %dot.3 = f32[4,6]{1,0} dot(%p1, %p2), lhs_contracting_dims={0}, rhs_contracting_dims={0}, metadata={op_name="jit(train_step)/transpose(jvp(VisionTransformer))/Transformer/MlpBlock_3/Dense_0/dot_general"}
+  %custom-call = (f32[8,4]{1,0}, f32[8,4]{1,0}) custom-call(%dot.2), custom_call_target="VitAttentionForwardForTraining", metadata={op_name="jit(train_step)/jvp(VisionTransformer)/Transformer/MultiHeadDotProductAttention_1/VitAttentionForwardForTraining"}
+  %all-reduce.1 = f32[4,6]{1,0} all-reduce(%dot.3), replica_groups={}, to_apply=%add, metadata={op_name="jit(train_step)/reduce_sum"}
+  %wrapped_reduce-window = f32[1,6]{1,0} fusion(%ynn_fusion.1, %c), kind=kLoop, calls=%wrapped_reduce-window_computation
+  %bitcast.1 = f32[1,6]{1,0} bitcast(%wrapped_reduce-window)
+  %norm_fusion = f32[1,6]{1,0} fusion(%bitcast.1), kind=kLoop, calls=%norm_computation
+  %update_fusion = f32[4,6]{1,0} fusion(%p0, %all-reduce.1), kind=kLoop, calls=%update_computation
+  ROOT %tuple.1 = (f32[4,6]{1,0}, f32[1,6]{1,0}) tuple(%update_fusion, %norm_fusion)
+}
+"""
+
+
+def test_cpu_profile_tells_each_thunk_kind_apart():
+  """Each thunk of the cut-down program gets its kind: the forward product
+  (a YNNPACK fusion), the input gradient (it reads the weights through a
+  transposing copy), the weight gradient (two activations), the kernel,
+  the all-reduce, the copy, a reduce-window XLA made without a scope (its
+  reader's, LayerNorm) and the optimizer's update; FLOPs 2 x m x n x k."""
+  cpu_profile = _benchmark_module("cpu_profile")
+  module = cpu_profile.parse_hlo(_TINY_HLO)
+  consumers = cpu_profile.thunk_consumers(module)
+  assert consumers["wrapped_reduce-window"] == {"norm_fusion"}  # via bitcast
+  assert consumers["dot.3"] == {"all-reduce.1"}
+
+  def kind(name):
+    reader = cpu_profile._reader_op_name(name, module, consumers)  # pylint: disable=protected-access
+    return cpu_profile.classify(module.instructions[name], module, reader)
+
+  assert kind("ynn_fusion.1") == ("x.W (forward)", 2 * 8 * 6 * 4)
+  assert kind("dot.2") == ("dy.W^T (input gradients)", 2 * 8 * 4 * 6)
+  assert kind("dot.3") == ("x^T.dy (weight gradients)", 2 * 4 * 6 * 8)
+  assert kind("custom-call")[0] == "attention kernel (C++)"
+  assert kind("all-reduce.1")[0] == "all-reduce (waiting included)"
+  assert kind("transpose_copy_fusion")[0] == "copies and transposes"
+  assert kind("wrapped_reduce-window")[0] == "LayerNorm"
+  assert kind("update_fusion")[0] == "optimizer (AdamW, gradient norm)"
+
+
+def test_cpu_profile_charges_a_devices_waits_to_the_matmuls_it_waits_on():
+  """A device's timeline: an asynchronous dot is launched, the device waits
+  until its reader starts (charged to the dot); two outstanding dots share
+  a wait by FLOPs; a wait with none outstanding is unexplained."""
+  cpu_profile = _benchmark_module("cpu_profile")
+  module = cpu_profile.parse_hlo(_TINY_HLO)
+  consumers = cpu_profile.thunk_consumers(module)
+  event = cpu_profile.ThunkEvent
+  flops = {"dot.2": 1.0, "dot.3": 3.0}
+  timeline = [event("ynn_fusion.1", 0.0, 1.0), event("dot.2", 1.0, 1.5),
+              event("dot.3", 1.5, 2.0),  # both outstanding until 6
+              event("custom-call", 6.0, 7.0),  # reads dot.2
+              event("all-reduce.1", 7.0, 8.0),  # reads dot.3
+              event("wrapped_reduce-window", 9.0, 10.0)]  # a wait of 1
+  waiting, shared, unexplained = cpu_profile._attribute_gaps(  # pylint: disable=protected-access
+      timeline, module, consumers, flops)
+  assert waiting == pytest.approx({"dot.2": 1.0, "dot.3": 3.0})
+  assert shared == pytest.approx({"dot.2": 1.0, "dot.3": 3.0})
+  assert unexplained == pytest.approx(1.0)
+
+
+def test_cpu_profile_times_a_real_train_step_by_product(tmp_path):
+  """A two-layer MLP's train step, compiled and profiled here: the FLOPs
+  found per kind are the step's (forward x.W of both layers, the input
+  gradient of the second layer only, both weight gradients), the
+  optimizer's scope is found, and the kinds add up to the step's wall
+  time. This is what ties the script to this jaxlib's trace format."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  cpu_profile = _benchmark_module("cpu_profile")
+
+  def train_step(params, x):
+    def loss(params):
+      hidden = jnp.tanh(x @ params["w1"])
+      return jnp.sum((hidden @ params["w2"]) ** 2)
+    grads = jax.grad(loss)(params)
+    with jax.named_scope("optimizer"):
+      return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+  rng = np.random.default_rng(0)
+  params = {"w1": rng.normal(size=(64, 128)).astype(np.float32),
+            "w2": rng.normal(size=(128, 32)).astype(np.float32)}
+  x = rng.normal(size=(256, 64)).astype(np.float32)
+  compiled = jax.jit(train_step).lower(params, x).compile()
+
+  class Step:
+    def __call__(self):
+      jax.block_until_ready(compiled(params, x))
+
+  Step()()
+  times, trace = cpu_profile._profiled_steps(Step(), 3, str(tmp_path))  # pylint: disable=protected-access
+  profile = cpu_profile.profile_by_kind(compiled.as_text(), trace,
+                                        times.wall_s)
+  assert profile.flops["x.W (forward)"] == 2 * 256 * (64 * 128 + 128 * 32)
+  assert profile.flops["dy.W^T (input gradients)"] == 2 * 256 * 32 * 128
+  assert profile.flops["x^T.dy (weight gradients)"] == (
+      2 * 256 * (64 * 128 + 128 * 32))
+  assert profile.thunks["optimizer (AdamW, gradient norm)"] >= 1
+  assert sum(profile.seconds.values()) == pytest.approx(times.wall_s,
+                                                        rel=1e-6)
+  assert all(seconds >= 0 for seconds in profile.seconds.values())
+
+
+def test_cpu_profile_command_prints_its_table_and_summary():
+  """The command on a two-layer ViT at 16 px: a row for each of a Dense
+  layer's three products, one thunk each per Dense layer (4 a block) plus
+  the patch embedding and head, and a summary whose shares cover the
+  step."""
+  lines = _run("benchmarks/cpu_profile.py", "--image_size=16",
+               "--patch_size=4", "--batch=4", "--num_layers=2", "--steps=2",
+               env={"XLA_FLAGS": ""}, timeout=300)
+  assert lines[0].startswith("python benchmarks/cpu_profile.py")
+  assert lines[1].startswith("CPU: ")
+  rows = {cells[0].rstrip(" ~"): cells[1:] for cells in (
+      [c.strip() for c in line.strip("|").split("|")]
+      for line in lines if line.startswith("| "))}
+  for product in ("x.W (forward)", "dy.W^T (input gradients)",
+                  "x^T.dy (weight gradients)"):
+    assert int(rows[product][2]) == 4 * 2 + 2, (product, lines)
+  summary = re.fullmatch(
+      r"summary: step_ms=(\d+) dense=([\d.]+) attention=([\d.]+) "
+      r"elementwise=([\d.]+) optimizer=([\d.]+) copies=([\d.]+) "
+      r"all_reduce=([\d.]+) other=([\d.]+) waiting=([\d.]+) "
+      r'between_steps=([\d.]+) cpu="[^"]+"', lines[-1])
+  assert summary, lines[-1]
+  shares = [float(share) for share in summary.groups()[1:]]
+  assert sum(shares) == pytest.approx(1.0, abs=0.02)
+  assert shares[0] > 0 and shares[3] > 0  # products and optimizer
