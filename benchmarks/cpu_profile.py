@@ -9,26 +9,29 @@ devices, malloc settings and XLA flags; `--max_isa`, `--matmul_dtype` and
 `--cpu_devices` as there) in a fresh process and profiles a few steps with
 `jax.profiler`. XLA:CPU records every thunk it runs (one instruction of the
 compiled program: a fusion, a dot, a custom call, an all-reduce) as a trace
-event named after the instruction; the compiled HLO says what each one is.
-Kinds:
+event tagged with the instruction, the device and the execution; the
+compiled HLO says what each one is. Kinds:
   x.W, dy.W^T, x^T.dy   the Dense layers' three products (forward, input
-                        gradient, weight gradient), with GFLOP/s per thread
+                        gradient, weight gradient), with their GFLOP/s
   attention kernel      vit_jax's C++ attention (forward and backward)
   attention products    the einsums' batched dots, where they run instead
   LayerNorm, GELU and MLP bias, attention's q/k/v split and bias,
-  embedding, head and residual adds   XLA's elementwise and reduction
-                        fusions, by the model scope they come from
+  embedding, head, residual adds, loss and input   XLA's elementwise and
+                        reduction fusions, by the scope they come from
+  optimizer             AdamW, the gradient norm, the parameter update
   copies and transposes layout changes
   all-reduce            the gradients' sum over devices, waiting included
-  optimizer             AdamW, the gradient norm, the parameter update
-  loss and input        preprocessing, loss, metrics
-  outside thunks        the device threads' time in no thunk: the executor,
-                        idle cores, work a thunk handed to the other thread
-Times are per device (thunk time summed over devices, divided by their
-number), shares of the device threads' wall time. Ends with
+  waiting               a device with nothing to run and no matmul due
+  outside the program   the step's wall time before a device's first
+                        thunk and after its last (dispatch)
+XLA:CPU runs a `dot` (Eigen's matmul) asynchronously on its thread pool,
+its event timing only the launch: a device's wait for it, until a reader
+of the result starts, is the matmul's time. Where a device waits on
+several matmuls at once (a weight gradient and an input gradient), the
+wait is split between them by FLOPs; the table marks those rows "~".
+Times are per device and step, shares of the step's wall time. Ends with
   summary: step_ms=… dense=… attention=… elementwise=… optimizer=…
-           copies=… all_reduce=… outside=… cpu="…"
-(the shares of the groups of kinds above).
+           copies=… all_reduce=… other=… waiting=… between_steps=… cpu="…"
 """
 
 import argparse
