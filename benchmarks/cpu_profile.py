@@ -420,6 +420,9 @@ def profile_by_kind(hlo_text: str, trace_path: str, step_wall_s: float
       per_thunk[event.name] += busy / runs
       dense[kinds[event.name]] += flops[event.name] / runs
       thunks[kinds[event.name]] += 1 / runs
+  # A step longer than the mean spans more than step_wall_s; on average
+  # the spans fit, up to the trace's and perf_counter's clocks.
+  seconds[BETWEEN_STEPS] = max(0.0, seconds[BETWEEN_STEPS])
   top = sorted(((busy, name, kinds[name], module.instructions[name].op_name)
                 for name, busy in per_thunk.items()), reverse=True)
   estimated = frozenset(kind for kind, share in shared_seconds.items()

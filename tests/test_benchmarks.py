@@ -574,7 +574,7 @@ def test_cpu_profile_times_a_real_train_step_by_product(tmp_path):
       2 * 256 * (64 * 128 + 128 * 32))
   assert profile.thunks["optimizer (AdamW, gradient norm)"] >= 1
   assert sum(profile.seconds.values()) == pytest.approx(times.wall_s,
-                                                        rel=1e-6)
+                                                        rel=1e-3)
   assert all(seconds >= 0 for seconds in profile.seconds.values())
 
 
@@ -601,5 +601,6 @@ def test_cpu_profile_command_prints_its_table_and_summary():
       r'between_steps=([\d.]+) cpu="[^"]+"', lines[-1])
   assert summary, lines[-1]
   shares = [float(share) for share in summary.groups()[1:]]
-  assert sum(shares) == pytest.approx(1.0, abs=0.02)
-  assert shares[0] > 0 and shares[3] > 0  # products and optimizer
+  # Nine shares, each rounded to 0.01.
+  assert sum(shares) == pytest.approx(1.0, abs=0.05), lines
+  assert shares[0] > 0 and shares[3] > 0, lines  # products and optimizer
