@@ -714,3 +714,31 @@ def test_capturing_intermediates_trains_the_same_values_and_draws(mode):
   # The draws matter: another key gives another loss.
   assert float(step(params, jax.random.PRNGKey(8), False)[0]) != float(
       plain[0])
+
+
+@pytest.mark.parametrize("order", [(2, 0, 3, 1, 4), (2, 0, 1, 3, 4)])
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_split_projections_has_the_transposes_values_and_gradient(order,
+                                                                  parts):
+  """The projections' split (heads first for the einsums and the CPU
+  kernel, token-major for cuDNN) gives jnp.transpose's slices, and its own
+  gradient equals the one JAX derives from them, bit for bit."""
+  rng = np.random.default_rng(parts)
+  stacked = jnp.asarray(rng.normal(size=(2, 5, parts, 3, 8)), jnp.float32)
+  reference = list(jnp.transpose(stacked, order))
+  split = self_attention.split_projections(stacked, order)
+  assert len(split) == parts
+  for got, want in zip(split, reference):
+    np.testing.assert_array_equal(got, want)
+  weights = [jnp.asarray(rng.normal(size=part.shape), jnp.float32)
+             for part in reference]
+
+  def loss(stacked, split):
+    return sum(jnp.sum(jnp.sin(part) * weight)
+               for part, weight in zip(split(stacked), weights))
+
+  ours = jax.grad(loss)(stacked, functools.partial(
+      self_attention.split_projections, order=order))
+  jaxs = jax.grad(loss)(stacked, lambda x: list(jnp.transpose(x, order)))
+  assert ours.shape == stacked.shape
+  np.testing.assert_array_equal(ours, jaxs)
