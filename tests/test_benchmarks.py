@@ -495,15 +495,15 @@ def test_cpu_profile_tells_each_thunk_kind_apart():
   transposing copy), the weight gradient (two activations), the kernel,
   the all-reduce, the copy, a reduce-window XLA made without a scope (its
   reader's, LayerNorm) and the optimizer's update; FLOPs 2 x m x n x k."""
-  cpu_profile = _benchmark_module("cpu_profile")
-  module = cpu_profile.parse_hlo(_TINY_HLO)
-  consumers = cpu_profile.thunk_consumers(module)
+  hlo_kinds = _benchmark_module("hlo_kinds")
+  module = hlo_kinds.parse_hlo(_TINY_HLO)
+  consumers = hlo_kinds.thunk_consumers(module)
   assert consumers["wrapped_reduce-window"] == {"norm_fusion"}  # via bitcast
   assert consumers["dot.3"] == {"all-reduce.1"}
 
   def kind(name):
-    reader = cpu_profile._reader_op_name(name, module, consumers)  # pylint: disable=protected-access
-    return cpu_profile.classify(module.instructions[name], module, reader)
+    reader = hlo_kinds.reader_op_name(name, module, consumers)
+    return hlo_kinds.classify(module.instructions[name], module, reader)
 
   assert kind("ynn_fusion.1") == ("x.W (forward)", 2 * 8 * 6 * 4)
   assert kind("dot.2") == ("dy.W^T (input gradients)", 2 * 8 * 4 * 6)
@@ -520,8 +520,9 @@ def test_cpu_profile_charges_a_devices_waits_to_the_matmuls_it_waits_on():
   until its reader starts (charged to the dot); two outstanding dots share
   a wait by FLOPs; a wait with none outstanding is unexplained."""
   cpu_profile = _benchmark_module("cpu_profile")
-  module = cpu_profile.parse_hlo(_TINY_HLO)
-  consumers = cpu_profile.thunk_consumers(module)
+  hlo_kinds = _benchmark_module("hlo_kinds")
+  module = hlo_kinds.parse_hlo(_TINY_HLO)
+  consumers = hlo_kinds.thunk_consumers(module)
   event = cpu_profile.ThunkEvent
   flops = {"dot.2": 1.0, "dot.3": 3.0}
   timeline = [event("ynn_fusion.1", 0.0, 1.0), event("dot.2", 1.0, 1.5),
