@@ -90,9 +90,9 @@ def _gaps(timeline: list[ThunkEvent]) -> list[tuple[float, float]]:
   return gaps
 
 
-def _attribute_gaps(timeline: list[ThunkEvent], module: hlo_kinds.HloModule,
-                    consumers: dict[str, set[str]], flops: dict[str, float]
-                    ) -> tuple[dict[str, float], dict[str, float], float]:
+def attribute_gaps(timeline: list[ThunkEvent], module: hlo_kinds.HloModule,
+                   consumers: dict[str, set[str]], flops: dict[str, float]
+                   ) -> tuple[dict[str, float], dict[str, float], float]:
   """Seconds of the timeline's gaps spent waiting on each asynchronous dot;
   how much of that came from gaps shared with other dots; and the gap
   seconds with no dot outstanding.
@@ -169,8 +169,8 @@ def profile_by_kind(hlo_text: str, trace_path: str, step_wall_s: float
   seconds, dense, thunks = (collections.Counter() for _ in range(3))
   per_thunk, shared_seconds = collections.Counter(), collections.Counter()
   for timeline in timelines:
-    waiting, shared, unexplained = _attribute_gaps(timeline, module,
-                                                   consumers, flops)
+    waiting, shared, unexplained = attribute_gaps(timeline, module,
+                                                  consumers, flops)
     for name, share in shared.items():
       shared_seconds[kinds[name]] += share / runs
     seconds[WAITING] += unexplained / runs
@@ -234,8 +234,8 @@ def summary_line(profile: Profile, times: StepTimes, cpu: str) -> str:
           f' cpu="{cpu}"')
 
 
-def _profiled_steps(step: "throughput.JaxStep", steps: int, trace_dir: str
-                    ) -> tuple[StepTimes, str]:
+def profiled_steps(step: "throughput.JaxStep", steps: int, trace_dir: str
+                   ) -> tuple[StepTimes, str]:
   """Runs `steps` steps under jax.profiler; their times and the trace."""
   import jax  # pylint: disable=import-outside-toplevel
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -255,10 +255,10 @@ def worker(args) -> None:
   """Compiles the step, profiles `args.steps` of it, prints the table."""
   step = throughput.JaxStep(args.model, args.mode, args.image_size,
                             args.patch_size, args.batch, args.num_layers)
-  unprofiled_s = throughput._time_steps(step, args.steps)  # pylint: disable=protected-access
+  unprofiled_s = throughput.time_steps(step, args.steps)
   with tempfile.TemporaryDirectory() as scratch:
-    times, trace_path = _profiled_steps(step, args.steps,
-                                        args.trace_dir or scratch)
+    times, trace_path = profiled_steps(step, args.steps,
+                                       args.trace_dir or scratch)
     hlo_text = step.compiled.as_text()
     if args.trace_dir:  # beside the trace, to read with it
       with open(os.path.join(args.trace_dir, "step.hlo.txt"), "w") as f:

@@ -100,7 +100,7 @@ def worker_batch(model_name: str, mode: str, batch=None) -> int:
   return batch or (train_batch if mode == "train" else infer_batch)
 
 
-def _time_steps(run, steps: int) -> float:
+def time_steps(run, steps: int) -> float:
   """Median seconds of `steps` calls of run() after one warm-up call."""
   run()
   times = []
@@ -219,7 +219,7 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
   step = JaxStep(model_name, mode, image_size, patch_size, batch, num_layers)
   memory = step.compiled.memory_analysis()
   flops = step.xla_flops()
-  seconds = _time_steps(step, num_steps)
+  seconds = time_steps(step, num_steps)
   return {"images_per_s": step.batch / seconds,
           "flops_per_image": flops / step.batch,
           "compile_s": step.compile_s, "trace_s": step.trace_s,
@@ -271,7 +271,7 @@ def torch_worker(impl: str, model_name: str, mode: str, steps: int) -> dict:
   start = time.perf_counter()
   run()  # eager warm-up, or torch.compile's compilation
   first = time.perf_counter() - start
-  seconds = _time_steps(run, steps)
+  seconds = time_steps(run, steps)
   return {"images_per_s": batch / seconds, "compile_s": first - seconds,
           "peak_rss_mib": _peak_rss_mib()}
 
@@ -320,7 +320,7 @@ def _bf16_gemm_rate(library: str, size: int) -> float:
     a = torch.from_numpy(a).bfloat16()
     run = lambda: a @ a
   run()
-  return 2 * size ** 3 / min(_time_steps(run, 1) for _ in range(10)) / 1e9
+  return 2 * size ** 3 / min(time_steps(run, 1) for _ in range(10)) / 1e9
 
 
 def gemm_worker(library: str) -> dict:
@@ -347,7 +347,7 @@ def gemm_worker(library: str) -> dict:
     fn = dense_product_fn(library, product)
     run = lambda: finish(fn(a, b))
     run()
-    best = min(_time_steps(run, 1) for _ in range(10))  # peak: least noise
+    best = min(time_steps(run, 1) for _ in range(10))  # peak: least noise
     rates[key] = 2 * m * k * n / best / 1e9
   return rates
 

@@ -530,7 +530,7 @@ def test_cpu_profile_charges_a_devices_waits_to_the_matmuls_it_waits_on():
               event("custom-call", 6.0, 7.0),  # reads dot.2
               event("all-reduce.1", 7.0, 8.0),  # reads dot.3
               event("wrapped_reduce-window", 9.0, 10.0)]  # a wait of 1
-  waiting, shared, unexplained = cpu_profile._attribute_gaps(  # pylint: disable=protected-access
+  waiting, shared, unexplained = cpu_profile.attribute_gaps(
       timeline, module, consumers, flops)
   assert waiting == pytest.approx({"dot.2": 1.0, "dot.3": 3.0})
   assert shared == pytest.approx({"dot.2": 1.0, "dot.3": 3.0})
@@ -566,7 +566,7 @@ def test_cpu_profile_times_a_real_train_step_by_product(tmp_path):
       jax.block_until_ready(compiled(params, x))
 
   Step()()
-  times, trace = cpu_profile._profiled_steps(Step(), 3, str(tmp_path))  # pylint: disable=protected-access
+  times, trace = cpu_profile.profiled_steps(Step(), 3, str(tmp_path))
   profile = cpu_profile.profile_by_kind(compiled.as_text(), trace,
                                         times.wall_s)
   assert profile.flops["x.W (forward)"] == 2 * 256 * (64 * 128 + 128 * 32)
