@@ -59,7 +59,6 @@ class HloModule(NamedTuple):
   entry: str  # the entry computation's name: its instructions are thunks
 
 
-
 def _split_shape(text: str) -> tuple[str, str]:
   """"(a, b) rest" or "f32[2]{0} rest" -> (shape, rest)."""
   if not text.startswith("("):
@@ -125,6 +124,18 @@ def _fused(instruction: Instruction, module: HloModule) -> list[Instruction]:
       instruction.calls) else []
   return inner + [j for i in inner if i.opcode == "fusion"
                   for j in _fused(i, module)]
+
+
+def _root(instruction: Instruction, module: HloModule) -> Instruction:
+  """A fusion's root instruction; any other instruction itself."""
+  return next((i for i in _fused(instruction, module) if i.is_root),
+              instruction)
+
+
+def _own_op_name(instruction: Instruction, module: HloModule) -> str:
+  """The instruction's op_name, or its fusion root's: XLA's wrapped single
+  ops keep theirs inside."""
+  return instruction.op_name or _root(instruction, module).op_name
 
 
 # Instructions that move or reshape data without arithmetic.
@@ -205,12 +216,10 @@ def classify(instruction: Instruction, module: HloModule,
         dots[0], dots[0].op_name or instruction.op_name or reader_op_name,
         module, None if dots[0] is instruction else instruction)
     return kind, sum(dot_flops(dot, module) for dot in dots)
-  root = next((i for i in inner if i.is_root), instruction)
-  if {instruction.opcode, root.opcode} & {"copy", "transpose"}:
+  if {instruction.opcode, _root(instruction, module).opcode} & {
+      "copy", "transpose"}:
     return "copies and transposes", 0.0
-  # XLA's wrapped single ops keep their op_name inside.
-  return _scope_kind(instruction.op_name or root.op_name
-                     or reader_op_name), 0.0
+  return _scope_kind(_own_op_name(instruction, module) or reader_op_name), 0.0
 
 
 # Entry instructions that run no thunk: views of other buffers.
@@ -240,13 +249,10 @@ def thunk_consumers(module: HloModule) -> dict[str, set[str]]:
 
 
 def reader_op_name(name: str, module: HloModule,
-                    consumers: dict[str, set[str]], depth: int = 3) -> str:
+                   consumers: dict[str, set[str]], depth: int = 3) -> str:
   """The op_name of the nearest thunk downstream of `name` that has one."""
   for reader in sorted(consumers.get(name, ())):
-    instruction = module.instructions[reader]
-    inner = _fused(instruction, module)
-    found = instruction.op_name or next(
-        (i.op_name for i in inner if i.is_root), "")
+    found = _own_op_name(module.instructions[reader], module)
     if not found and depth:
       found = reader_op_name(reader, module, consumers, depth - 1)
     if found:
