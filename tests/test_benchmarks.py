@@ -267,7 +267,7 @@ def test_dense_products_are_a_dense_layers_forward_and_gradients():
   the gradients of sum(y * dy) by x and W that autodiff computes, with the
   operand and result shapes the worker allocates."""
   import jax  # pylint: disable=import-outside-toplevel
-  import torch  # pylint: disable=import-outside-toplevel
+  torch = pytest.importorskip("torch", reason="needs the [torch] extra")
   throughput = _benchmark_module("throughput")
   rows, k, n = 12, 5, 7
   rng = np.random.default_rng(0)

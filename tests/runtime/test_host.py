@@ -224,3 +224,30 @@ def test_training_compiles_the_train_and_eval_steps_once(tmp_path, caplog):
   trains = [r for r in records if r.get("split") == "train"]
   assert [r["step"] for r in evals] == [4, 8, 13]  # 4 steps an epoch
   assert len(trains) >= 3, len(trains)
+
+
+@pytest.mark.parametrize("release", ["0.10", "0.11", "0.12"])
+def test_measured_xla_flags_apply_on_the_releases_they_were_measured_on(
+    monkeypatch, release):
+  """On a measured jaxlib release the flag turning YNNPACK's fusions off is
+  added; a user's own value for it is kept; an unmeasured release gets
+  nothing (an unknown flag would abort the process)."""
+  flag = "--xla_cpu_experimental_ynn_fusion_type="
+  monkeypatch.setattr(host, "jaxlib_release", lambda: release)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+  assert host.default_xla_flags() == [flag]
+  assert os.environ["XLA_FLAGS"] == (
+      f"--xla_force_host_platform_device_count=2 {flag}")
+  assert host.default_xla_flags() == []  # already there
+  monkeypatch.setenv("XLA_FLAGS", f"{flag}dot")
+  assert host.default_xla_flags() == []
+  assert os.environ["XLA_FLAGS"] == f"{flag}dot"
+  monkeypatch.setattr(host, "jaxlib_release", lambda: "0.13")
+  monkeypatch.setenv("XLA_FLAGS", "")
+  assert host.default_xla_flags() == [] and os.environ["XLA_FLAGS"] == ""
+
+
+def test_jaxlib_release_is_the_installed_minor_release():
+  import jaxlib  # pylint: disable=import-outside-toplevel
+  major, minor = jaxlib.__version__.split(".")[:2]
+  assert host.jaxlib_release() == f"{major}.{minor}"

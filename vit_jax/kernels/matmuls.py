@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vit_jax.runtime import host
+
 _OVER_ROWS = (((0,), (0,)), ((), ()))  # contract the first axes: a^T b
 
 
@@ -50,11 +52,16 @@ def tie_to_gradient(x: jax.Array, output_grad: jax.Array) -> jax.Array:
   return x + (first * 0).astype(x.dtype)
 
 
+# The jaxlib releases whose YNNPACK ran bfloat16 products faster than their
+# float32 (docs/performance.md, *bfloat16 products on a CPU*).
+_YNNPACK_DOT_RELEASES = ("0.10", "0.11", "0.12")
+
+
 def xla_compiler_options(operand_dtype: Any) -> Optional[dict[str, str]]:
   """The per-program XLA options that run the products of `operand_dtype`
   fast, for `jax.jit(..., compiler_options=...)`; None if there are none.
 
-  bfloat16 on XLA:CPU (jaxlib 0.10): YNNPACK for each dot on its own. Why
+  bfloat16 on XLA:CPU (jaxlib 0.10-0.12): YNNPACK for each dot on its own. Why
   per program: vit_jax turns YNNPACK off process-wide
   (`runtime.host.default_xla_flags`), as it slows float32 steps; for
   bfloat16 operands with float32 accumulation its dots use the CPU's
@@ -62,10 +69,9 @@ def xla_compiler_options(operand_dtype: Any) -> Optional[dict[str, str]]:
   GFLOP/s in float32 on an AVX512_BF16 core pair), where XLA's own
   (Eigen) widens them to float32.
   """
-  from jaxlib import version  # pylint: disable=import-outside-toplevel
   if (operand_dtype is None or jnp.dtype(operand_dtype) != jnp.bfloat16
       or jax.default_backend() != "cpu"
-      or not version.__version__.startswith("0.10.")):
+      or host.jaxlib_release() not in _YNNPACK_DOT_RELEASES):
     return None
   return {"xla_cpu_experimental_ynn_fusion_type":
           "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
