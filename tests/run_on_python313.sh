@@ -23,7 +23,7 @@ command -v debootstrap >/dev/null || {
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap
 }
 if [ ! -x "$root/usr/bin/python3.13" ]; then
-  debootstrap --variant=minbase --include=python3,python3-venv,g++,\
+  debootstrap --variant=minbase --include=python3,python3-venv,python3-dev,g++,\
 libtcmalloc-minimal4t64,ca-certificates trixie "$root"
 fi
 
