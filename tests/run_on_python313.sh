@@ -23,8 +23,12 @@ command -v debootstrap >/dev/null || {
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap
 }
 if [ ! -x "$root/usr/bin/python3.13" ]; then
+  echo "Making a Debian 13 tree in $root (debootstrap, about a minute)"
+  log="$(mktemp)"
   debootstrap --variant=minbase --include=python3,python3-venv,python3-dev,g++,\
-libtcmalloc-minimal4t64,ca-certificates trixie "$root"
+libtcmalloc-minimal4t64,ca-certificates trixie "$root" >"$log" 2>&1 ||
+    { tail -20 "$log"; exit 1; }
+  rm -f "$log"
 fi
 
 # This machine's DNS and certificates (a proxy's, where there is one), and

@@ -53,7 +53,8 @@ def tie_to_gradient(x: jax.Array, output_grad: jax.Array) -> jax.Array:
 
 
 # The jaxlib releases whose YNNPACK ran bfloat16 products faster than their
-# float32 (docs/performance.md, *bfloat16 products on a CPU*).
+# float32 (docs/performance.md, *bfloat16 products on a CPU* for 0.10,
+# *Newer JAX releases* for 0.11 and 0.12).
 _YNNPACK_DOT_RELEASES = ("0.10", "0.11", "0.12")
 
 
