@@ -31,9 +31,11 @@ libtcmalloc-minimal4t64,ca-certificates trixie "$root" >"$log" 2>&1 ||
   rm -f "$log"
 fi
 
-# This machine's DNS and certificates (a proxy's, where there is one), and
-# the Fashion-MNIST files the offline-data tests read.
-cp /etc/resolv.conf "$root/etc/resolv.conf"
+# This machine's DNS, its host names (gloo, the CPU collectives of the
+# multi-process tests, resolves the host's own) and certificates (a proxy's,
+# where there is one), and the Fashion-MNIST files the offline-data tests
+# read.
+cp /etc/resolv.conf /etc/hosts "$root/etc/"
 cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/"
 mounts=(proc sys dev dev/shm)
 if [ -d /usr/share/datasets ]; then
