@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import run_python
-from vit_jax.kernels import cpu_attention
+from vit_jax.kernels import cpu_attention, cpu_build
 from vit_jax.model import vit
 from vit_jax.runtime import sharding
 
@@ -171,21 +171,21 @@ def test_the_model_takes_the_kernel_on_cpu_with_the_einsums_values(
 def test_the_build_is_cached_and_failures_name_the_compiler(
     tmp_path, monkeypatch):
   monkeypatch.setenv("VIT_JAX_CACHE_DIR", str(tmp_path))
-  library = cpu_attention.build()
+  library = cpu_build.build()
   assert library.parent == tmp_path and library.exists()
   built_at = library.stat().st_mtime_ns
-  assert cpu_attention.build() == library  # cached: not rebuilt
+  assert cpu_build.build() == library  # cached: not rebuilt
   assert library.stat().st_mtime_ns == built_at
   assert [path.name for path in tmp_path.iterdir()] == [library.name]
   with pytest.raises(RuntimeError, match="no C.. compiler 'no-such-c..'"):
-    cpu_attention.build("no-such-c++")
+    cpu_build.build("no-such-c++")
   # A compiler that fails: its message is passed on, nothing is cached.
   failing = tmp_path / "failing-c++"
   failing.write_text("#!/bin/sh\necho 'fatal: out of cheese' >&2\nexit 1\n")
   failing.chmod(0o755)
   monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
   with pytest.raises(RuntimeError, match="(?s)failed to build.*out of cheese"):
-    cpu_attention.build(failing.name)
+    cpu_build.build(failing.name)
   assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
       [library.name, failing.name])
 
@@ -198,9 +198,9 @@ def test_the_kernel_can_be_built_for_an_older_instruction_set(
   sets) builds a library of its own with no AVX-512 instruction (no zmm
   register), whatever this CPU has."""
   monkeypatch.setenv("VIT_JAX_CACHE_DIR", str(tmp_path))
-  native = cpu_attention.build()
-  monkeypatch.setenv(cpu_attention.MARCH_VARIABLE, "x86-64-v3")
-  avx2 = cpu_attention.build()
+  native = cpu_build.build()
+  monkeypatch.setenv(cpu_build.MARCH_VARIABLE, "x86-64-v3")
+  avx2 = cpu_build.build()
   assert avx2 != native and avx2.exists()
   disassembly = lambda library: subprocess.run(
       ["objdump", "-d", str(library)], capture_output=True, text=True,
@@ -222,11 +222,11 @@ def test_the_avx2_and_sse_builds_match_the_reference_too(tmp_path, march):
       "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
       "tests/kernels/test_cpu_attention.py", "-k",
       "float64_reference or extreme_logits or batch_split or vmap",
-      env={cpu_attention.MARCH_VARIABLE: march,
+      env={cpu_build.MARCH_VARIABLE: march,
            "VIT_JAX_CACHE_DIR": str(tmp_path)})
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
   assert " passed" in result.stdout and "skipped" not in result.stdout
-  assert len(list(tmp_path.glob("attention_cpu-*.so"))) == 1  # its own build
+  assert len(list(tmp_path.glob("cpu_kernels-*.so"))) == 1  # its own build
 
 
 ARM_COMPILER = "aarch64-linux-gnu-g++"
@@ -244,15 +244,15 @@ def test_on_arm_the_build_takes_the_cpu_flag_or_builds_without_it(
   rejects that (clang before 15, or this cross compiler, which has no
   native CPU) without a CPU flag: an aarch64 library either way, cached."""
   monkeypatch.setenv("VIT_JAX_CACHE_DIR", str(tmp_path))
-  monkeypatch.delenv(cpu_attention.MARCH_VARIABLE, raising=False)
+  monkeypatch.delenv(cpu_build.MARCH_VARIABLE, raising=False)
   monkeypatch.setattr(platform, "machine", lambda: "aarch64")
-  assert cpu_attention.target_flags() == [("-mcpu=native",), ()]
-  library = cpu_attention.build(ARM_COMPILER)
+  assert cpu_build.target_flags() == [("-mcpu=native",), ()]
+  library = cpu_build.build(ARM_COMPILER)
   with open(library, "rb") as f:
     header = f.read(20)
   assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20],
                                                      "little") == 183  # AArch64
-  assert cpu_attention.build(ARM_COMPILER) == library  # found, not rebuilt
+  assert cpu_build.build(ARM_COMPILER) == library  # found, not rebuilt
   assert [path.name for path in tmp_path.iterdir()] == [library.name]
 
 
@@ -264,7 +264,7 @@ def _pair_check(compiler: str, flags: list[str], runner: list[str],
   program = tmp_path / "attention_pair_check"
   subprocess.run(
       [compiler, "-O3", "-ffp-contract=fast", "-std=c++17", "-w", *flags,
-       f"-I{jax.ffi.include_dir()}", f"-I{cpu_attention.SOURCE.parent}",
+       f"-I{jax.ffi.include_dir()}", f"-I{cpu_build.SOURCES[0].parent}",
        check, "-o", str(program)], check=True, capture_output=True)
   result = subprocess.run([*runner, str(program)], capture_output=True,
                           text=True, check=False, timeout=300)
@@ -279,7 +279,7 @@ def test_one_pair_matches_double_precision_without_jax(tmp_path):
   as `build` builds it, against double precision
   (tests/kernels/attention_pair_check.cc: 197, 65 and odd token counts)."""
   lines = _pair_check(os.environ.get("CXX", "c++"),
-                      list(cpu_attention.target_flags()[0]), [], tmp_path)
+                      list(cpu_build.target_flags()[0]), [], tmp_path)
   assert all("tile=6x" in line for line in lines)
 
 

@@ -22,6 +22,7 @@ through YNNPACK, which `xla_compiler_options` turns on for such programs.
 """
 
 import functools
+import math
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vit_jax.kernels import cpu_transpose
 from vit_jax.runtime import host
 
 _OVER_ROWS = (((0,), (0,)), ((), ()))  # contract the first axes: a^T b
@@ -117,13 +119,52 @@ def kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
   kept that orientation: the ViT-Ti/16 @224 train step ran 1.4-2.4%
   faster with this one. (Where the result must be row-major, e.g. a jitted
   function's output, XLA turns a transposed product round itself.)
+  With bfloat16 operands where YNNPACK runs them, `_ynnpack_kernel_gradient`.
   """
   output_grad = output_grad.astype(inputs.dtype)
+  if _takes_ynnpack_kernel_gradient(inputs, operand_dtype):
+    return _ynnpack_kernel_gradient(inputs, output_grad, precision)
   if inputs.shape[1] <= output_grad.shape[1]:
     return _product(inputs, output_grad, _OVER_ROWS, precision,
                     operand_dtype)
   return _product(output_grad, inputs, _OVER_ROWS, precision,
                   operand_dtype).T
+
+
+def _takes_ynnpack_kernel_gradient(inputs: jax.Array, operand_dtype) -> bool:
+  """Whether `_ynnpack_kernel_gradient` runs this product: bfloat16
+  operands of float32 inputs, on a CPU whose XLA runs them in YNNPACK,
+  with the transpose kernel built."""
+  return (inputs.dtype == jnp.float32
+          and xla_compiler_options(operand_dtype) is not None
+          and cpu_transpose.problem() is None)
+
+
+def _ynnpack_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
+                             precision) -> jax.Array:
+  """inputs^T @ output_grad (float32) from bfloat16 operands, as a product
+  YNNPACK takes: the narrower operand transposed by `cpu_transpose` (the
+  wider one would cost more to copy), contracted over its last axis.
+
+  The rows go in G groups, one per device where the rows divide so, as a
+  batch axis of the product that is then summed: under a batch-split mesh
+  each device transposes and multiplies its own rows, and the sum over G
+  is the all-reduce that the gradient needs anyway. Before this, XLA
+  widened the product to float32 (docs/performance.md, *bfloat16 on an
+  AMX CPU*).
+  """
+  rows = inputs.shape[0]
+  groups = math.gcd(rows, jax.device_count())
+  flip = inputs.shape[1] > output_grad.shape[1]
+  narrow, wide = (output_grad, inputs) if flip else (inputs, output_grad)
+  narrow_t = cpu_transpose.transpose_to_bfloat16(
+      narrow.reshape(groups, rows // groups, narrow.shape[1]))
+  wide = wide.reshape(groups, rows // groups, wide.shape[1])
+  partial = jax.lax.dot_general(
+      narrow_t, wide.astype(jnp.bfloat16), (((2,), (1,)), ((0,), (0,))),
+      precision=precision, preferred_element_type=jnp.float32)
+  result = partial.sum(axis=0)
+  return result.T if flip else result
 
 
 def per_token(layer, x: jax.Array) -> jax.Array:

@@ -1,0 +1,221 @@
+"""vit_jax's C++ kernels for XLA:CPU: built, loaded, and bound as primitives.
+
+The kernels (`csrc/*.cc`: the attention core, `cpu_attention.py`; the
+bfloat16 transpose, `cpu_transpose.py`) are XLA FFI handlers in one shared
+library, compiled from source with the system's C++ compiler (`$CXX`, else
+`c++`) the first time one is needed on a machine, for that machine's CPU
+(-march=native on x86, -mcpu=native on Arm), and cached under
+`$VIT_JAX_CACHE_DIR` (default ~/.cache/vit_jax). Without a compiler, or if
+the build fails, `load` says why and each kernel's caller takes its XLA
+path instead (or raises, where the user asked for the kernel).
+
+`batch_partitionable` binds a handler as a JAX primitive that shards over
+its leading axes: under `jax.jit` with a batch-split mesh each device runs
+the kernel on its own part, with no gathering.
+"""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core
+from jax.interpreters import batching, mlir
+
+SOURCES = tuple(pathlib.Path(__file__).parent / "csrc" / name
+                for name in ("attention_cpu.cc", "transpose_cpu.cc"))
+_FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC",
+          "-w")
+# The instruction set the kernels are compiled for: this CPU's by default;
+# e.g. "x86-64-v3" (AVX2 + FMA) to measure what an AVX2-only CPU would run
+# (benchmarks/throughput.py --max_isa=avx2), or for a cache shared by CPUs
+# of several kinds.
+MARCH_VARIABLE = "VIT_JAX_KERNEL_MARCH"
+TARGETS = ("VitAttentionForwardForTraining", "VitAttentionForwardForInference",
+           "VitAttentionBackward", "VitTransposeToBfloat16")
+
+
+def cache_dir() -> pathlib.Path:
+  return pathlib.Path(os.environ.get(
+      "VIT_JAX_CACHE_DIR", pathlib.Path.home() / ".cache" / "vit_jax"))
+
+
+def _cpu_signature() -> str:
+  """What -march=native compiles for: the CPU's model and feature flags."""
+  try:
+    with open("/proc/cpuinfo") as cpuinfo:
+      lines = [line for line in cpuinfo
+               if line.startswith(("model name", "flags", "Features"))]
+    return "".join(sorted(set(lines)))
+  except OSError:
+    return platform.processor()
+
+
+def target_flags() -> list[tuple[str, ...]]:
+  """The flags that pick the kernels' instruction set, to try in turn."""
+  if os.environ.get(MARCH_VARIABLE):
+    return [(f"-march={os.environ[MARCH_VARIABLE]}",)]
+  if platform.machine().lower() in ("arm64", "aarch64"):
+    # Arm's compilers take the CPU as -mcpu (clang before 15 rejects
+    # -march=native there). Every 64-bit Arm core has NEON, whose 4-float
+    # vectors the kernels use, so a build without the flag runs them too.
+    return [("-mcpu=native",), ()]
+  return [("-march=native",)]
+
+
+def _library_path(compiler: str, flags: tuple[str, ...]) -> pathlib.Path:
+  """Where the library built by compiler with flags is cached: one file per
+  sources, compiler, flags, JAX and CPU."""
+  key = hashlib.sha256("\0".join(
+      [*(source.read_text() for source in SOURCES), compiler, *flags,
+       jax.ffi.include_dir(), jax.__version__, platform.machine(),
+       _cpu_signature()]).encode()).hexdigest()[:16]
+  return cache_dir() / f"cpu_kernels-{key}.so"
+
+
+def build(compiler: Optional[str] = None) -> pathlib.Path:
+  """The kernels' shared library, compiled now unless cached: with the
+  first of `target_flags` that the compiler takes. Raises RuntimeError
+  naming the problem if it cannot be built."""
+  compiler = compiler or os.environ.get("CXX", "c++")
+  if shutil.which(compiler) is None:
+    raise RuntimeError(f"no C++ compiler {compiler!r} on PATH (set CXX or "
+                       "install g++ or clang++)")
+  flag_sets = [(*_FLAGS, *target) for target in target_flags()]
+  libraries = [_library_path(compiler, flags) for flags in flag_sets]
+  cached = [library for library in libraries if library.exists()]
+  if cached:
+    return cached[0]
+  failures = []
+  for flags, library in zip(flag_sets, libraries):
+    try:
+      return _compile(compiler, flags, library)
+    except RuntimeError as error:
+      failures.append(str(error))
+  raise RuntimeError("\n".join(failures))
+
+
+def _compile(compiler: str, flags: tuple[str, ...],
+             library: pathlib.Path) -> pathlib.Path:
+  """Compiles the kernels into library; RuntimeError with the compiler's
+  message if it fails."""
+  library.parent.mkdir(parents=True, exist_ok=True)
+  # Built beside its final name and renamed into place: a concurrent
+  # process (another host of a job) never loads a half-written file.
+  handle, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
+  os.close(handle)
+  try:
+    result = subprocess.run(
+        [compiler, *flags, f"-I{jax.ffi.include_dir()}",
+         *map(str, SOURCES), "-o", partial],
+        capture_output=True, text=True, check=False)
+    if result.returncode:
+      raise RuntimeError(f"{compiler} failed to build the CPU kernels "
+                         f"({', '.join(s.name for s in SOURCES)}):\n"
+                         f"{result.stderr[-2000:]}")
+    os.replace(partial, library)
+  finally:
+    if os.path.exists(partial):
+      os.remove(partial)
+  return library
+
+
+@functools.cache
+def load() -> Optional[str]:
+  """Builds and registers the kernels once per process; the problem, or
+  None when they are ready."""
+  try:
+    library = ctypes.cdll.LoadLibrary(str(build()))
+    for target in TARGETS:
+      jax.ffi.register_ffi_target(
+          target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
+      jax.ffi.register_ffi_target_as_batch_partitionable(target)
+  except (RuntimeError, OSError, AttributeError) as error:
+    logging.warning("vit_jax: the C++ CPU kernels are unavailable, XLA's "
+                    "own operations run instead: %s", error)
+    return f"its C++ kernel could not be built or loaded: {error}"
+  return None
+
+
+def batch_partitionable(target: str, results: Callable, num_batch_dims: int
+                        ) -> core.Primitive:
+  """A primitive calling `target`; results(*operand avals) gives its
+  result (shape, dtype) pairs. Every operand and result shares its first
+  num_batch_dims axes (the batch axes).
+
+  Its custom call is declared batch-partitionable over those axes, with the
+  other axes whole: a Shardy sharding rule and the `num_batch_dims`
+  attribute that JAX's own linear-algebra calls carry, for a target that
+  `load` registers as batch-partitionable. Under a batch-split mesh each
+  device then runs the kernel on its part, where the partitioner would
+  gather a plain `jax.ffi.ffi_call` onto every device.
+  """
+  primitive = core.Primitive(target)
+  primitive.multiple_results = True
+  # Outside jit: compiled on its own, as jnp's operations are.
+  primitive.def_impl(jax.jit(lambda *operands: primitive.bind(*operands)))
+  primitive.def_abstract_eval(lambda *avals: [
+      jax.core.ShapedArray(shape, dtype) for shape, dtype in results(*avals)])
+
+  def lowering(ctx, *operands):
+    attributes = {"mhlo.frontend_attributes": mlir.ir.DictAttr.get(
+        {"num_batch_dims": mlir.ir.StringAttr.get(str(num_batch_dims))})}
+    if jax.config.jax_use_shardy_partitioner:
+      attributes["sdy.sharding_rule"] = mlir.ir.Attribute.parse(
+          _sharding_rule(ctx.avals_in, ctx.avals_out, num_batch_dims))
+    return jax.ffi.ffi_lowering(target, extra_attributes=attributes)(
+        ctx, *operands)
+
+  def batch_rule(operands, axes):
+    # Under jax.vmap the mapped axis joins the first batch axis: one call.
+    size = next(operand.shape[axis] for operand, axis in zip(operands, axes)
+                if axis is not None)
+    merged = []
+    for operand, axis in zip(operands, axes):
+      operand = (jnp.broadcast_to(operand, (size, *operand.shape))
+                 if axis is None  # not mapped
+                 else jnp.moveaxis(operand, axis, 0))
+      merged.append(operand.reshape(-1, *operand.shape[2:]))
+    results = primitive.bind(*merged)
+    return ([result.reshape(size, -1, *result.shape[1:])
+             for result in results], [0] * len(results))
+
+  batching.primitive_batchers[primitive] = batch_rule
+  mlir.register_lowering(primitive, lowering, platform="cpu")
+  return primitive
+
+
+def _factor_name(index: int) -> str:
+  """Shardy's factor names: i, j, ..., z, then z_1, z_2, ..."""
+  return chr(ord("i") + index) if index < 18 else f"z_{index - 17}"
+
+
+def _sharding_rule(avals_in, avals_out, num_batch_dims: int) -> str:
+  """Shardy's rule for a kernel: the batch axes shared by every operand
+  and result; every other axis its own factor, which XLA's partitioner
+  keeps whole for a call with `num_batch_dims` (declaring them
+  need_replication instead made it gather the batch too)."""
+  sizes = list(avals_in[0].shape[:num_batch_dims])
+
+  def factors(aval):
+    names = [_factor_name(axis) for axis in range(num_batch_dims)]
+    for size in aval.shape[num_batch_dims:]:
+      names.append(_factor_name(len(sizes)))
+      sizes.append(size)
+    return "[" + ", ".join(names) + "]"
+
+  operands = ", ".join(factors(aval) for aval in avals_in)
+  results = ", ".join(factors(aval) for aval in avals_out)
+  size_list = ", ".join(f"{_factor_name(index)}={size}"
+                        for index, size in enumerate(sizes))
+  return (f"#sdy.op_sharding_rule<({operands})->({results}) {{{size_list}}}, "
+          "custom>")
