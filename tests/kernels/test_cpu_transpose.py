@@ -18,10 +18,12 @@ def _bits(x) -> np.ndarray:
   return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16))
 
 
-@pytest.mark.parametrize("shape", [(1, 3152, 192), (3, 37, 50), (2, 16, 1)])
+@pytest.mark.parametrize("shape", [(1, 3152, 192), (2, 70, 40), (3, 37, 50),
+                                   (2, 16, 1)])
 def test_transpose_equals_xlas_transpose_and_rounding_bit_for_bit(shape):
   """Every group's matrix transposed and rounded as XLA rounds f32 to bf16
-  (nearest, ties to even), on whole and ragged 16 x 16 blocks; ties,
+  (nearest, ties to even): whole 32 x 16 blocks, rows and columns beyond
+  them, odd row counts (no blocks), one column; ties,
   infinities, -0 and the smallest normals included."""
   rng = np.random.default_rng(0)
   x = rng.normal(size=shape).astype(np.float32)
