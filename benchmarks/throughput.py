@@ -28,7 +28,8 @@ caller set those variables. They speed PyTorch up too, so the comparison is
 against the faster PyTorch.
 
 Prints the GEMM rates (and of a Dense layer's three products at ViT-Ti's
-widths, jax against torch), one table (images/s, achieved GFLOP/s from XLA's
+widths, jax against torch, each on one thread: the train step runs them so,
+a device per core), one table (images/s, achieved GFLOP/s from XLA's
 FLOP count of the same model, % of the PyTorch GEMM rate measured in the same
 run, compile time (vit_jax's with its Python trace + lowering share in
 brackets), peak RSS),
@@ -323,23 +324,29 @@ def _bf16_gemm_rate(library: str, size: int) -> float:
   return 2 * size ** 3 / min(time_steps(run, 1) for _ in range(10)) / 1e9
 
 
-def gemm_worker(library: str) -> dict:
-  """fp32 GEMM rates, GFLOP/s: 2048^3, the MLP's (8320x192)@(192x768), and
-  each Dense product at ViT-Ti's widths (keys "x.W 6304x192x576" and so
-  on); with --matmul_dtype=bfloat16 also "bf16 2048x2048x2048"."""
+def gemm_worker(library: str, per_core: bool) -> dict:
+  """fp32 GEMM rates, GFLOP/s, on every core: 2048^3 and the MLP's
+  (8320x192)@(192x768), with --matmul_dtype=bfloat16 also "bf16
+  2048x2048x2048"; per_core: on one thread, as vit_jax's train step runs
+  each product (a device per core, `per_core_environment`), each Dense
+  product at ViT-Ti's widths (keys "x.W 6304x192x576" and so on)."""
   rates = {}
   if library == "jax":
     import jax
     put, finish = jax.device_put, lambda result: result.block_until_ready()
   else:
     import torch
+    if per_core:
+      torch.set_num_threads(1)
     put, finish = torch.from_numpy, lambda result: result
-  cases = [("x.W", 2048, 2048, 2048, "2048x2048x2048"),
-           ("x.W", 8320, 192, 768, "8320x192x768")]
-  if bench_matmul_dtype():
-    rates["bf16 2048x2048x2048"] = _bf16_gemm_rate(library, 2048)
-  cases += [(product, DENSE_ROWS, k, n, f"{product} {DENSE_ROWS}x{k}x{n}")
-            for k, n in DENSE_SHAPES for product in DENSE_PRODUCTS]
+  if per_core:
+    cases = [(product, DENSE_ROWS, k, n, f"{product} {DENSE_ROWS}x{k}x{n}")
+             for k, n in DENSE_SHAPES for product in DENSE_PRODUCTS]
+  else:
+    cases = [("x.W", 2048, 2048, 2048, "2048x2048x2048"),
+             ("x.W", 8320, 192, 768, "8320x192x768")]
+    if bench_matmul_dtype():
+      rates["bf16 2048x2048x2048"] = _bf16_gemm_rate(library, 2048)
   for product, m, k, n, key in cases:
     lhs, rhs, _ = dense_product_operands(product, m, k, n)
     a = put(np.random.rand(*lhs).astype(np.float32))
@@ -365,6 +372,13 @@ def dense_product_rates(rates: dict) -> dict:
         seconds += 2 * m * k * n / rate
     result[product] = flops / seconds
   return result
+
+
+def per_core_environment(env: dict) -> dict:
+  """env for a per-core gemm worker: XLA's Eigen on one thread, as on each
+  of the train step's devices (torch's worker sets its own threads)."""
+  flags = f"{env.get('XLA_FLAGS', '')} --xla_cpu_multi_thread_eigen=false"
+  return dict(env, XLA_FLAGS=flags.strip())
 
 
 def spawn(args: list[str], env: dict) -> dict:
@@ -470,8 +484,9 @@ def main():
   args = parser.parse_args()
 
   if args.worker:
-    if args.impl.startswith("gemm-"):
-      result = gemm_worker(args.impl[5:])
+    if args.impl.startswith(("gemm-", "gemm1-")):
+      library = args.impl.split("-", 1)[1]
+      result = gemm_worker(library, per_core=args.impl.startswith("gemm1-"))
     elif args.impl == "vit_jax":
       from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
       host.split_cpu_into_devices(  # before JAX starts
@@ -488,6 +503,8 @@ def main():
   started = time.perf_counter()
   loads = [machine_load()]
   gemm = {lib: spawn([f"--impl=gemm-{lib}"], env) for lib in ("torch", "jax")}
+  per_core = {lib: spawn([f"--impl=gemm1-{lib}"], per_core_environment(env))
+              for lib in ("torch", "jax")}
 
   def worker_args(impl: str, model: str, mode: str) -> list[str]:
     cpu_devices = [f"--cpu_devices={args.cpu_devices}"] * (impl == "vit_jax")
@@ -514,6 +531,9 @@ def main():
     again = spawn([f"--impl=gemm-{lib}"], env)
     gemm[lib] = {shape: max(value, again[shape])
                  for shape, value in gemm[lib].items()}
+    again = spawn([f"--impl=gemm1-{lib}"], per_core_environment(env))
+    per_core[lib] = {shape: max(value, again[shape])
+                     for shape, value in per_core[lib].items()}
   gemm_rate = gemm["torch"]["2048x2048x2048"]
   if args.matmul_dtype == "bfloat16":  # the fraction of the bf16 rate
     gemm_rate = gemm["torch"]["bf16 2048x2048x2048"]
@@ -557,9 +577,10 @@ def main():
         f"{gemm['torch']['8320x192x768']:.0f}, jax "
         f"{gemm['jax']['2048x2048x2048']:.0f} | "
         f"{gemm['jax']['8320x192x768']:.0f}")
-  dense = {lib: dense_product_rates(gemm[lib]) for lib in gemm}
-  print(f"A Dense layer's products at ViT-Ti's widths, {DENSE_ROWS} rows "
-        f"(GFLOP/s over {len(DENSE_SHAPES)} widths, jax / torch): " +
+  dense = {lib: dense_product_rates(per_core[lib]) for lib in per_core}
+  print(f"A Dense layer's products at ViT-Ti's widths, {DENSE_ROWS} rows, "
+        f"one core each as the train step runs them (GFLOP/s over "
+        f"{len(DENSE_SHAPES)} widths, jax / torch): " +
         ", ".join(f"{product} {dense['jax'][product]:.0f} / "
                   f"{dense['torch'][product]:.0f} "
                   f"({dense['jax'][product] / dense['torch'][product]:.2f})"

@@ -301,6 +301,25 @@ def test_dense_product_rates_weigh_each_width_by_its_flops():
   assert result["dy.W^T"] == pytest.approx(50.0)
 
 
+def test_per_core_products_run_xla_and_torch_on_one_thread():
+  """The Dense products are compared per core, as the train step runs them
+  (a device per core): the per-core worker's XLA_FLAGS keep the caller's
+  flags and add single-threaded Eigen, and the worker measures exactly the
+  Dense products, not the whole-CPU GEMMs."""
+  throughput = _benchmark_module("throughput")
+  env = throughput.per_core_environment({"XLA_FLAGS": "--xla_foo=1", "A": "b"})
+  assert env == {"A": "b", "XLA_FLAGS":
+                 "--xla_foo=1 --xla_cpu_multi_thread_eigen=false"}
+  measured = json.loads(_run(
+      "benchmarks/throughput.py", "--worker", "--impl=gemm1-jax",
+      env=throughput.per_core_environment({}), timeout=300)[-1])
+  assert sorted(measured) == sorted(
+      f"{product} {throughput.DENSE_ROWS}x{k}x{n}"
+      for k, n in throughput.DENSE_SHAPES
+      for product in throughput.DENSE_PRODUCTS)
+  assert all(rate > 0 for rate in measured.values())
+
+
 @pytest.mark.parametrize("name", ["ViT-Ti/16", "ViT-B/16"])
 def test_gpu_benchmark_flops_agree_with_xlas_count(name):
   """The analytic matmul FLOPs behind the GPU benchmark's MFU are within 3%

@@ -17,8 +17,10 @@ with the kernel's first axes, no batch axes. Other dimension numbers get
 With `operand_dtype` (bfloat16) every product of the layer, forward and
 backward, reads its two operands rounded to that dtype and accumulates
 and returns float32 (the inputs' dtype): what CPUs with bfloat16 dot
-instructions (AVX512_BF16, AMX) run at about twice their float32 rate,
-through YNNPACK, which `xla_compiler_options` turns on for such programs.
+instructions (AVX512_BF16, AMX) run at two to three times their float32
+rate, through YNNPACK, which `xla_compiler_options` turns on for such
+programs; the weight gradient reaches YNNPACK through a transposed copy
+made by a C++ kernel (`_ynnpack_kernel_gradient`).
 """
 
 import functools
