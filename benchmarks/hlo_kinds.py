@@ -23,7 +23,7 @@ KIND_GROUPS = {  # summary name -> kinds, in the table's order
                     "attention's q/k/v split and bias",
                     "embedding, head, residual adds", "loss and input"),
     "optimizer": ("optimizer (AdamW, gradient norm)",),
-    "copies": ("copies and transposes",),
+    "copies": ("copies and transposes", "bfloat16 transposes (C++)"),
     "all_reduce": ("all-reduce (waiting included)",),
     "other": ("other custom calls",),
 }
@@ -204,9 +204,13 @@ def classify(instruction: Instruction, module: HloModule,
   scope of a thunk that reads its result, for instructions XLA made
   without one (a reduction it split into a reduce-window)."""
   if instruction.opcode == "custom-call":
-    is_attention = 'custom_call_target="VitAttention' in instruction.attributes
-    return ("attention kernel (C++)" if is_attention
-            else "other custom calls"), 0.0
+    target = re.search(r'custom_call_target="(\w+)"', instruction.attributes)
+    target = target.group(1) if target else ""
+    if target.startswith("VitAttention"):
+      return "attention kernel (C++)", 0.0
+    if target == "VitTransposeToBfloat16":  # matmuls' bf16 weight gradients
+      return "bfloat16 transposes (C++)", 0.0
+    return "other custom calls", 0.0
   if instruction.opcode in _COLLECTIVES:
     return "all-reduce (waiting included)", 0.0
   inner = _fused(instruction, module)

@@ -528,6 +528,11 @@ def test_cpu_profile_tells_each_thunk_kind_apart():
   assert kind("dot.2") == ("dy.W^T (input gradients)", 2 * 8 * 4 * 6)
   assert kind("dot.3") == ("x^T.dy (weight gradients)", 2 * 4 * 6 * 8)
   assert kind("custom-call")[0] == "attention kernel (C++)"
+  transpose = hlo_kinds.Instruction(
+      "custom-call.2", "bf16[1,4,8]{2,1,0}", "custom-call", ("p1",),
+      'custom_call_target="VitTransposeToBfloat16"', False, -1)
+  assert hlo_kinds.classify(transpose, module) == (
+      "bfloat16 transposes (C++)", 0.0)
   assert kind("all-reduce.1")[0] == "all-reduce (waiting included)"
   assert kind("transpose_copy_fusion")[0] == "copies and transposes"
   assert kind("wrapped_reduce-window")[0] == "LayerNorm"
