@@ -375,8 +375,9 @@ def dense_product_rates(rates: dict) -> dict:
 
 
 def per_core_environment(env: dict) -> dict:
-  """env for a per-core gemm worker: XLA's Eigen on one thread, as on each
-  of the train step's devices (torch's worker sets its own threads)."""
+  """env for a per-core gemm worker, which also pins itself to one core:
+  XLA's Eigen on one thread, as on each of the train step's devices
+  (torch's worker sets its own threads)."""
   flags = f"{env.get('XLA_FLAGS', '')} --xla_cpu_multi_thread_eigen=false"
   return dict(env, XLA_FLAGS=flags.strip())
 
@@ -485,8 +486,10 @@ def main():
 
   if args.worker:
     if args.impl.startswith(("gemm-", "gemm1-")):
-      library = args.impl.split("-", 1)[1]
-      result = gemm_worker(library, per_core=args.impl.startswith("gemm1-"))
+      library, per_core = args.impl.split("-", 1)[1], args.impl[4] == "1"
+      if per_core:  # XLA:CPU splits a dot over the cores whatever its flags
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1])
+      result = gemm_worker(library, per_core)
     elif args.impl == "vit_jax":
       from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
       host.split_cpu_into_devices(  # before JAX starts
