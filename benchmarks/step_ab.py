@@ -4,6 +4,8 @@ r"""Two variants of vit_jax's train step, side by side in one process.
   python benchmarks/step_ab.py --model=vit_tiny_cifar --a_softmax=jax.nn
   python benchmarks/step_ab.py --cpu_devices=0 --pairs=20
   python benchmarks/step_ab.py --a_kernel_gradient=jax --pairs=20
+  python benchmarks/step_ab.py --a='{"matmul_dtype": "bfloat16"}' \
+      --b='{"matmul_dtype": "bfloat16"}' --a_kernel_gradient=xla
   python benchmarks/step_ab.py --b_attention_core=elementwise
   python benchmarks/step_ab.py --b='{"attention_implementation": "einsum"}'
 
@@ -19,7 +21,9 @@ its output for the backward pass) or "jax.nn" (`jax.nn.softmax`).
 --a_kernel_gradient / --b_kernel_gradient pick how the Dense layers'
 backward pass computes the kernels' gradients: "ours"
 (`matmuls.kernel_gradient`, the narrower side as the product's rows) or
-"jax" (output_grad^T @ inputs, transposed, as JAX's transpose rule does).
+"jax" (output_grad^T @ inputs, transposed, as JAX's transpose rule does)
+or "xla" (`matmuls.xla_kernel_gradient`: with bfloat16 products, the
+weight gradient widened to float32 by XLA, as before it went to YNNPACK).
 --a_attention_core / --b_attention_core pick the attention core (the
 logits product, the softmax and the weighted sum of values): "xla", the
 model's, or "elementwise", q * k + v in its place (`elementwise_core`), the
@@ -61,12 +65,20 @@ OUR_KERNEL_GRADIENT = matmuls.kernel_gradient
 LOGITS_SPEC, WEIGHTED_SUM_SPEC = "bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"
 
 
-def jax_kernel_gradient(inputs, output_grad, precision=None):
+def jax_kernel_gradient(inputs, output_grad, precision=None,
+                        operand_dtype=None):
   """inputs^T @ output_grad the way JAX's transpose of a matmul writes it:
-  output_grad^T @ inputs, transposed."""
-  return jax.lax.dot_general(output_grad.astype(inputs.dtype), inputs,
-                             (((0,), (0,)), ((), ())),
-                             precision=precision).T
+  output_grad^T @ inputs, transposed (operands rounded to operand_dtype,
+  if given, as `matmuls.kernel_gradient` rounds them)."""
+  rounded = lambda x: x if operand_dtype is None else x.astype(operand_dtype)
+  return jax.lax.dot_general(
+      rounded(output_grad.astype(inputs.dtype)), rounded(inputs),
+      (((0,), (0,)), ((), ())), precision=precision,
+      preferred_element_type=inputs.dtype).T
+
+
+KERNEL_GRADIENTS = {"ours": OUR_KERNEL_GRADIENT, "jax": jax_kernel_gradient,
+                    "xla": matmuls.xla_kernel_gradient}
 
 
 @contextlib.contextmanager
@@ -123,8 +135,8 @@ def _define_per_variant(name: str, choices: list[str], what: str) -> dict:
 
 _SOFTMAX = _define_per_variant("softmax", ["ours", "jax.nn"],
                                "attention softmax")
-_KERNEL_GRADIENT = _define_per_variant("kernel_gradient", ["ours", "jax"],
-                                       "Dense kernel gradients")
+_KERNEL_GRADIENT = _define_per_variant(
+    "kernel_gradient", list(KERNEL_GRADIENTS), "Dense kernel gradients")
 _ATTENTION_CORE = _define_per_variant("attention_core", ["xla", "elementwise"],
                                       "attention core")
 _PAIRS = flags.DEFINE_integer("pairs", 14, "Timed steps of each variant.")
@@ -141,8 +153,7 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
   # gradient needs a new trace.
   attention.softmax = (OUR_SOFTMAX if softmax == "ours"
                        else lambda logits: jax.nn.softmax(logits, axis=-1))
-  matmuls.kernel_gradient = (OUR_KERNEL_GRADIENT if kernel_gradient == "ours"
-                             else jax_kernel_gradient)
+  matmuls.kernel_gradient = KERNEL_GRADIENTS[kernel_gradient]
   jax.clear_caches()
   if softmax != "ours" or attention_core == "elementwise":
     # Both replace parts of the einsums, which "auto" skips on a CPU with

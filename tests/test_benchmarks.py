@@ -171,8 +171,10 @@ def test_step_ab_compares_two_softmaxes_in_one_process():
 
 
 def test_step_ab_kernel_gradients_agree():
-  """step_ab's "jax" kernel gradient (JAX's transpose-rule orientation)
-  and vit_jax's give the same inputs^T @ output_grad, narrow and wide."""
+  """step_ab's kernel gradients (vit_jax's, JAX's transpose-rule
+  orientation, XLA's product without the bfloat16 kernel) give the same
+  inputs^T @ output_grad, narrow and wide, in float32 and from bfloat16
+  operands."""
   import jax  # pylint: disable=import-outside-toplevel
   step_ab = _benchmark_module("step_ab")
   from vit_jax.kernels import matmuls  # pylint: disable=import-outside-toplevel
@@ -181,9 +183,16 @@ def test_step_ab_kernel_gradients_agree():
     inputs = rng.normal(size=(30, depth)).astype(np.float32)
     output_grad = rng.normal(size=(30, width)).astype(np.float32)
     expected = inputs.astype(np.float64).T @ output_grad
-    for fn in (step_ab.jax_kernel_gradient, matmuls.kernel_gradient):
+    for fn in step_ab.KERNEL_GRADIENTS.values():
       np.testing.assert_allclose(jax.jit(fn)(inputs, output_grad), expected,
                                  rtol=1e-5, atol=1e-5)
+    rounded = lambda x: np.asarray(jax.numpy.asarray(x, jax.numpy.bfloat16),
+                                   np.float64)
+    for fn in step_ab.KERNEL_GRADIENTS.values():  # as the train step calls it
+      np.testing.assert_allclose(
+          jax.jit(fn, static_argnums=(2, 3))(inputs, output_grad, None,
+                                             jax.numpy.bfloat16),
+          rounded(inputs).T @ rounded(output_grad), rtol=1e-5, atol=1e-5)
 
 
 def test_step_ab_elementwise_core_takes_the_attention_core_out():
