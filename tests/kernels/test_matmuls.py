@@ -31,28 +31,21 @@ def _weight_gradient_dots(compiled_text: str) -> dict[str, tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("depth,width", [(8, 24), (24, 8), (16, 16)])
-@pytest.mark.parametrize("gradient", ["kernel_gradient",
-                                      "xla_kernel_gradient"])
-def test_kernel_gradient_is_inputs_transposed_times_output_grad(
-    depth, width, gradient):
+def test_kernel_gradient_is_inputs_transposed_times_output_grad(depth, width):
   """inputs^T @ output_grad against float64 NumPy, for a wide, a narrow and
-  a square kernel, by vit_jax's product (on a CPU, of a transposed copy:
-  tests/kernels/test_cpu_transpose.py) and by XLA's own. For a wide kernel
-  XLA's product has the narrower side as its rows (JAX's transpose rule
-  gives it (width, depth) rows x columns). A narrow kernel's (width, depth)
-  product is transposed, and XLA turns it round when the result must be
-  row-major, as here; in a train step the optimizer reads it transposed
-  instead (see the MLP test below)."""
+  a square kernel. For a wide kernel XLA's product has the narrower side as
+  its rows (JAX's transpose rule gives it (width, depth) rows x columns).
+  A narrow kernel's (width, depth) product is transposed, and XLA turns it
+  round when the result must be row-major, as here; in a train step the
+  optimizer reads it transposed instead (see the MLP test below)."""
   rng = np.random.default_rng(0)
   inputs = rng.normal(size=(40, depth)).astype(np.float32)
   output_grad = rng.normal(size=(40, width)).astype(np.float32)
-  fn = jax.jit(getattr(matmuls, gradient))
+  fn = jax.jit(matmuls.kernel_gradient)
   got = fn(inputs, output_grad)
   assert got.shape == (depth, width)
   np.testing.assert_allclose(
       got, inputs.astype(np.float64).T @ output_grad, rtol=1e-5, atol=1e-5)
-  if gradient == "kernel_gradient":
-    return
   text = fn.lower(inputs, output_grad).compile().as_text()
   (shape,) = _weight_gradient_dots(text).values()
   if depth <= width:
@@ -115,16 +108,10 @@ def test_dense_dot_general_keeps_dtypes_and_falls_back():
   chex.assert_trees_all_close(ours, plain, rtol=1e-6, atol=1e-6)
 
 
-def test_mlp_kernel_gradients_have_the_narrow_side_as_rows(monkeypatch,
-                                                           request):
-  """In the compiled gradient of an MlpBlock (64 -> 256 -> 64) by XLA's
-  own products (`xla_kernel_gradient`, where the transpose kernel is not
-  taken) the first kernel's gradient is a (64, 256) product, not JAX's
-  (256, 64) one, and the gradients equal those of Dense -> GELU -> Dense."""
-  monkeypatch.setattr(matmuls, "_takes_transposed_kernel_gradient",
-                      lambda *args: False)
-  jax.clear_caches()  # no trace made before, or kept for after, the patch
-  request.addfinalizer(jax.clear_caches)
+def test_mlp_kernel_gradients_have_the_narrow_side_as_rows():
+  """In the compiled gradient of an MlpBlock (64 -> 256 -> 64) the first
+  kernel's gradient is a (64, 256) product, not JAX's (256, 64) one, and
+  the gradients equal those of Dense -> GELU -> Dense."""
   mlp = blocks.MlpBlock(mlp_dim=256)
   x = jax.random.normal(jax.random.PRNGKey(0), (300, 64))
   params = mlp.init(jax.random.PRNGKey(1), x, deterministic=True)

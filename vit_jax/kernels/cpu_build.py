@@ -1,7 +1,7 @@
 """vit_jax's C++ kernels for XLA:CPU: built, loaded, and bound as primitives.
 
 The kernels (`csrc/*.cc`: the attention core, `cpu_attention.py`; the
-weight gradients' transposes, `cpu_transpose.py`) are XLA FFI handlers in one shared
+bfloat16 transpose, `cpu_transpose.py`) are XLA FFI handlers in one shared
 library, compiled from source with the system's C++ compiler (`$CXX`, else
 `c++`) the first time one is needed on a machine, for that machine's CPU
 (-march=native on x86, -mcpu=native on Arm), and cached under
@@ -41,8 +41,7 @@ _FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC",
 # of several kinds.
 MARCH_VARIABLE = "VIT_JAX_KERNEL_MARCH"
 TARGETS = ("VitAttentionForwardForTraining", "VitAttentionForwardForInference",
-           "VitAttentionBackward", "VitTransposeFloat32",
-           "VitTransposeToBfloat16")
+           "VitAttentionBackward", "VitTransposeToBfloat16")
 
 
 def cache_dir() -> pathlib.Path:

@@ -20,8 +20,7 @@ and returns float32 (the inputs' dtype): what CPUs with bfloat16 dot
 instructions (AVX512_BF16, AMX) run at two to three times their float32
 rate, through YNNPACK, which `xla_compiler_options` turns on for such
 programs; the weight gradient reaches YNNPACK through a transposed copy
-made by a C++ kernel (`_transposed_kernel_gradient`, which float32 weight
-gradients take too).
+made by a C++ kernel (`_ynnpack_kernel_gradient`).
 """
 
 import functools
@@ -122,13 +121,12 @@ def kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
   kept that orientation: the ViT-Ti/16 @224 train step ran 1.4-2.4%
   faster with this one. (Where the result must be row-major, e.g. a jitted
   function's output, XLA turns a transposed product round itself.)
-  On a CPU with vit_jax's C++ kernels, `_transposed_kernel_gradient`;
+  With bfloat16 operands where YNNPACK runs them, `_ynnpack_kernel_gradient`;
   otherwise `xla_kernel_gradient`.
   """
   output_grad = output_grad.astype(inputs.dtype)
-  if _takes_transposed_kernel_gradient(inputs, operand_dtype):
-    return _transposed_kernel_gradient(inputs, output_grad, precision,
-                                       operand_dtype)
+  if _takes_ynnpack_kernel_gradient(inputs, operand_dtype):
+    return _ynnpack_kernel_gradient(inputs, output_grad, precision)
   return xla_kernel_gradient(inputs, output_grad, precision, operand_dtype)
 
 
@@ -145,45 +143,37 @@ def xla_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
                   operand_dtype).T
 
 
-def _takes_transposed_kernel_gradient(inputs: jax.Array,
-                                      operand_dtype) -> bool:
-  """Whether `_transposed_kernel_gradient` runs this product: float32
-  inputs on a CPU with the transpose kernel, the operands float32 or, where
-  XLA runs them in YNNPACK, bfloat16."""
+def _takes_ynnpack_kernel_gradient(inputs: jax.Array, operand_dtype) -> bool:
+  """Whether `_ynnpack_kernel_gradient` runs this product: bfloat16
+  operands of float32 inputs, on a CPU whose XLA runs them in YNNPACK,
+  with the transpose kernel built."""
   return (inputs.dtype == jnp.float32
-          and jax.default_backend() == "cpu"
-          and (operand_dtype is None
-               or xla_compiler_options(operand_dtype) is not None)
+          and xla_compiler_options(operand_dtype) is not None
           and cpu_transpose.problem() is None)
 
 
-def _transposed_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
-                                precision, operand_dtype) -> jax.Array:
-  """inputs^T @ output_grad (float32) as a plain product of one operand's
-  transpose, made by `cpu_transpose`, by the other: the form Eigen runs
-  fastest and the only one YNNPACK takes (`cpu_transpose` says why).
-
-  float32: inputs^T (K, R) @ output_grad, whichever is wider (on one core
-  of an AMX Xeon 149-158 GFLOP/s at ViT-Ti's widths, against 90-127 for
-  `xla_kernel_gradient`). bfloat16: the narrower operand transposed (the
-  other would cost more to copy) and rounded by the kernel.
+def _ynnpack_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
+                             precision) -> jax.Array:
+  """inputs^T @ output_grad (float32) from bfloat16 operands, as a product
+  YNNPACK takes: the narrower operand transposed by `cpu_transpose` (the
+  wider one would cost more to copy), contracted over its last axis.
 
   The rows go in G groups, one per device where the rows divide so, as a
   batch axis of the product that is then summed: under a batch-split mesh
   each device transposes and multiplies its own rows, and the sum over G
-  is the all-reduce that the gradient needs anyway.
+  is the all-reduce that the gradient needs anyway. Before this, XLA
+  widened the product to float32 (docs/performance.md, *bfloat16 on an
+  AMX CPU*).
   """
   rows = inputs.shape[0]
   groups = math.gcd(rows, jax.device_count())
-  dtype = operand_dtype or jnp.float32
-  flip = (operand_dtype is not None
-          and inputs.shape[1] > output_grad.shape[1])
-  left, right = (output_grad, inputs) if flip else (inputs, output_grad)
-  left_t = cpu_transpose.transpose(
-      left.reshape(groups, rows // groups, left.shape[1]), dtype)
-  right = right.reshape(groups, rows // groups, right.shape[1])
+  flip = inputs.shape[1] > output_grad.shape[1]
+  narrow, wide = (output_grad, inputs) if flip else (inputs, output_grad)
+  narrow_t = cpu_transpose.transpose_to_bfloat16(
+      narrow.reshape(groups, rows // groups, narrow.shape[1]))
+  wide = wide.reshape(groups, rows // groups, wide.shape[1])
   partial = jax.lax.dot_general(
-      left_t, right.astype(dtype), (((2,), (1,)), ((0,), (0,))),
+      narrow_t, wide.astype(jnp.bfloat16), (((2,), (1,)), ((0,), (0,))),
       precision=precision, preferred_element_type=jnp.float32)
   result = partial.sum(axis=0)
   return result.T if flip else result
