@@ -486,7 +486,8 @@ def main():
 
   if args.worker:
     if args.impl.startswith(("gemm-", "gemm1-")):
-      library, per_core = args.impl.split("-", 1)[1], args.impl[4] == "1"
+      library = args.impl.split("-", 1)[1]
+      per_core = args.impl.startswith("gemm1-")
       if per_core:  # XLA:CPU splits a dot over the cores whatever its flags
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1])
       result = gemm_worker(library, per_core)

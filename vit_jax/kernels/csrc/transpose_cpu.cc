@@ -56,7 +56,8 @@ void TransposeMatrix(int64_t rows, int64_t columns, const uint32_t* in,
     }
   }
   auto one = [&](int64_t r, int64_t c) {
-    out[c * rows + r] = static_cast<uint16_t>(RoundToBfloat16(in[r * columns + c]));
+    out[c * rows + r] =
+        static_cast<uint16_t>(RoundToBfloat16(in[r * columns + c]));
   };
   for (int64_t r = 0; r < block_rows; ++r)  // the columns right of the blocks
     for (int64_t c = block_columns; c < columns; ++c) one(r, c);
