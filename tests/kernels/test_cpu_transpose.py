@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from vit_jax.kernels import cpu_transpose, matmuls
+from vit_jax.kernels import cpu_build, cpu_transpose, matmuls
 from vit_jax.runtime import sharding
 
 pytestmark = pytest.mark.skipif(
-    cpu_transpose.problem() is not None,
-    reason=f"the C++ transpose kernel cannot run: {cpu_transpose.problem()}")
+    cpu_build.problem() is not None,
+    reason=f"the C++ transpose kernel cannot run: {cpu_build.problem()}")
 
 
 def _bits(x) -> np.ndarray:

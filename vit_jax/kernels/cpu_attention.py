@@ -33,15 +33,15 @@ def problem(dtype: Any, head_dim: int, device: Any = None) -> Optional[str]:
   """Why the kernel cannot run this attention on `device` (default: JAX's
   first device), or None if it can. Builds the kernel on first use."""
   device = jax.devices()[0] if device is None else device
-  if device.platform != "cpu":
-    return f"it runs on CPUs, and this device is {device.platform!r}"
+  if device.platform != "cpu":  # said first, before the model's settings
+    return cpu_build.problem(device)
   if jnp.dtype(dtype) != jnp.float32:
     return (f"it computes in float32, and the model computes in "
             f"{jnp.dtype(dtype).name} (config.model.dtype)")
   if head_dim % LANES:
     return (f"it needs head_dim (hidden_size / num_heads) a multiple of "
             f"{LANES}, and it is {head_dim}")
-  return cpu_build.load()
+  return cpu_build.problem(device)
 
 
 def padded_keys(num_keys: int) -> int:

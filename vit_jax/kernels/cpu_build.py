@@ -24,7 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +144,15 @@ def load() -> Optional[str]:
                     "own operations run instead: %s", error)
     return f"its C++ kernel could not be built or loaded: {error}"
   return None
+
+
+def problem(device: Any = None) -> Optional[str]:
+  """Why the kernels cannot run on `device` (default: JAX's first device),
+  or None if they can. Builds them on first use."""
+  device = jax.devices()[0] if device is None else device
+  if device.platform != "cpu":
+    return f"it runs on CPUs, and this device is {device.platform!r}"
+  return load()
 
 
 def batch_partitionable(target: str, results: Callable, num_batch_dims: int

@@ -17,8 +17,6 @@ a batch-split mesh each device transposes its own rows
 (`cpu_build.batch_partitionable`).
 """
 
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 
@@ -29,20 +27,11 @@ _transpose = cpu_build.batch_partitionable(
     lambda x: [((x.shape[0], x.shape[2], x.shape[1]), jnp.bfloat16)], 1)
 
 
-def problem(device=None) -> Optional[str]:
-  """Why the kernel cannot run on `device` (default: JAX's first device),
-  or None if it can. Builds the CPU kernels on first use."""
-  device = jax.devices()[0] if device is None else device
-  if device.platform != "cpu":
-    return f"it runs on CPUs, and this device is {device.platform!r}"
-  return cpu_build.load()
-
-
 def transpose_to_bfloat16(x: jax.Array) -> jax.Array:
   """(G, M, K) float32 -> (G, K, M) bfloat16: each group's matrix
   transposed, rounded to nearest even as `x.astype(jnp.bfloat16)` rounds.
-  Needs `problem()` to be None. Not differentiable (the backward passes
-  that call it are themselves derivatives)."""
+  Needs `cpu_build.problem()` to be None. Not differentiable (the backward
+  passes that call it are themselves derivatives)."""
   if x.ndim != 3 or x.dtype != jnp.float32:
     raise ValueError(f"transpose_to_bfloat16 takes a (G, M, K) float32 "
                      f"array, got {x.dtype}{list(x.shape)}")

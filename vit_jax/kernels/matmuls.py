@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vit_jax.kernels import cpu_transpose
+from vit_jax.kernels import cpu_build, cpu_transpose
 from vit_jax.runtime import host
 
 _OVER_ROWS = (((0,), (0,)), ((), ()))  # contract the first axes: a^T b
@@ -149,7 +149,7 @@ def _takes_ynnpack_kernel_gradient(inputs: jax.Array, operand_dtype) -> bool:
   with the transpose kernel built."""
   return (inputs.dtype == jnp.float32
           and xla_compiler_options(operand_dtype) is not None
-          and cpu_transpose.problem() is None)
+          and cpu_build.problem() is None)
 
 
 def _ynnpack_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
