@@ -8,6 +8,8 @@ r"""Two variants of vit_jax's train step, side by side in one process.
       --b='{"matmul_dtype": "bfloat16"}' --a_kernel_gradient=xla
   python benchmarks/step_ab.py --b_attention_core=elementwise
   python benchmarks/step_ab.py --b='{"attention_implementation": "einsum"}'
+  python benchmarks/step_ab.py \
+      --b_xla_options='{"xla_cpu_prefer_vector_width": 512}'
 
 Compiles the train step of benchmarks/throughput.py's vit_jax worker (same
 dims, batch, AdamW, a device per core unless --cpu_devices says otherwise)
@@ -33,6 +35,9 @@ other than "ours" and the elementwise core replace parts of the einsums,
 so they set attention_implementation to "einsum" unless the variant's
 fields name one (by default the model runs the C++ attention kernel on a
 CPU: `--b='{"attention_implementation": "einsum"}'` compares the two).
+--a_xla_options / --b_xla_options add XLA options (a JSON dict) to the
+variant's program, over those the model's matmul_dtype asks for
+(`matmuls.xla_compiler_options`).
 
 Prints each variant's XLA scratch (temp) per device, compile seconds and
 median step, then
@@ -139,14 +144,18 @@ _KERNEL_GRADIENT = _define_per_variant(
     "kernel_gradient", list(KERNEL_GRADIENTS), "Dense kernel gradients")
 _ATTENTION_CORE = _define_per_variant("attention_core", ["xla", "elementwise"],
                                       "attention core")
+_XLA_OPTIONS = {variant: flags.DEFINE_string(
+    f"{variant.lower()}_xla_options", "{}",
+    f"Variant {variant}'s extra XLA compiler options (JSON).")
+                for variant in "AB"}
 _PAIRS = flags.DEFINE_integer("pairs", 14, "Timed steps of each variant.")
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", -1, "config.cpu_devices: -1 a device per core, 0 one.")
 
 
 def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
-                    attention_core: str, size: int, patch: int, images,
-                    labels, mesh):
+                    attention_core: str, xla_options: dict, size: int,
+                    patch: int, images, labels, mesh):
   """(compiled train step, its train state, seconds of trace + lowering +
   compilation) for one variant."""
   # The blocks are traced once and cached by jit: a new softmax or kernel
@@ -165,8 +174,9 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
   state = steps.create_train_state(model, (size, size, 3), optim.adamw(
       1e-3, weight_decay=0.05), 0, mesh)
   # bfloat16 products take YNNPACK for their dots, as in the trainer.
-  step = throughput.jit_train_step(
-      matmuls.xla_compiler_options(fields.get("matmul_dtype")))
+  step = throughput.jit_train_step(dict(
+      matmuls.xla_compiler_options(fields.get("matmul_dtype")) or {},
+      **xla_options) or None)
   start = time.perf_counter()
   with (elementwise_core() if attention_core == "elementwise"
         else contextlib.nullcontext()):
@@ -189,13 +199,13 @@ def main(argv):
   variants = {}
   settings = {name: (fields.value, _SOFTMAX[name].value,
                      _KERNEL_GRADIENT[name].value,
-                     _ATTENTION_CORE[name].value)
+                     _ATTENTION_CORE[name].value, _XLA_OPTIONS[name].value)
               for name, fields in (("A", _A), ("B", _B))}
-  for name, (fields, softmax, kernel_gradient,
-             attention_core) in settings.items():
+  for name, (fields, softmax, kernel_gradient, attention_core,
+             xla_options) in settings.items():
     compiled, state, compile_s = compile_variant(
-        json.loads(fields), softmax, kernel_gradient, attention_core, size,
-        patch, images, labels, mesh)
+        json.loads(fields), softmax, kernel_gradient, attention_core,
+        json.loads(xla_options), size, patch, images, labels, mesh)
     variants[name] = dict(compiled=compiled, state=state,
                           compile_s=compile_s, times=[],
                           temp_mib=compiled.memory_analysis()
@@ -218,9 +228,11 @@ def main(argv):
   print(f"\nCommand: python benchmarks/step_ab.py {' '.join(sys.argv[1:])}")
   print(f"{_MODEL.value}, batch {batch}, {len(jax.devices())} device(s)")
   for name, variant in variants.items():
-    fields, softmax, kernel_gradient, attention_core = settings[name]
+    fields, softmax, kernel_gradient, attention_core, xla_options = (
+        settings[name])
     print(f"{name}: {fields} softmax={softmax} kernel_gradient="
-          f"{kernel_gradient} attention_core={attention_core}: median step "
+          f"{kernel_gradient} attention_core={attention_core} xla_options="
+          f"{xla_options}: median step "
           f"{statistics.median(variant['times']):.3f} s, scratch "
           f"{variant['temp_mib']:.0f} MiB per device, compile "
           f"{variant['compile_s']:.1f} s")
