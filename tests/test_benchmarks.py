@@ -638,3 +638,36 @@ def test_cpu_profile_command_prints_its_table_and_summary():
   # Nine shares, each rounded to 0.01.
   assert sum(shares) == pytest.approx(1.0, abs=0.05), lines
   assert shares[0] > 0 and shares[3] > 0, lines  # products and optimizer
+
+
+def test_vector_width_benchmark_times_both_widths_of_the_same_kernels():
+  """benchmarks/vector_width.py at toy sizes: its LayerNorm is flax's, its
+  GELU gradient JAX's, and both widths give those values; the summary
+  parses."""
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  vector_width = _benchmark_module("vector_width")
+  rng = np.random.default_rng(0)
+  x, grad = (rng.standard_normal((8, 16), np.float32) for _ in range(2))
+  scale, offset = (rng.standard_normal(16, np.float32) for _ in range(2))
+  flax_norm = nn.LayerNorm(epsilon=1e-6)
+  np.testing.assert_allclose(
+      vector_width.layer_norm(x, scale, offset),
+      flax_norm.apply({"params": {"scale": scale, "bias": offset}}, x),
+      rtol=1e-5, atol=1e-5)
+  bias = scale
+  for width in vector_width.WIDTHS:
+    got = jax.jit(vector_width.gelu_gradient).lower(x, bias, grad).compile(
+        compiler_options={"xla_cpu_prefer_vector_width": width})(
+            x, bias, grad)
+    want = jax.grad(lambda x: (jax.nn.gelu(x + bias) * grad).sum())(x)
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[1], want.sum(0), rtol=1e-5, atol=1e-5)
+
+  lines = _run("benchmarks/vector_width.py", "--rows=16", "--repeats=2",
+               env=ONE_DEVICE)
+  assert lines[0].startswith("Command: python benchmarks/vector_width.py")
+  summary = re.fullmatch(r'summary: gelu=([\d.]+) gelu_gradient=([\d.]+) '
+                         r'layernorm=([\d.]+) cpu="[^"]+"', lines[-1])
+  assert summary, lines[-1]
+  assert all(float(ratio) > 0 for ratio in summary.groups())

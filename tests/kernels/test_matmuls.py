@@ -13,6 +13,7 @@ import pytest
 
 from vit_jax.kernels import matmuls
 from vit_jax.model import blocks, vit
+from vit_jax.runtime import host
 
 _DENSE = (((1,), (0,)), ((), ()))
 
@@ -239,7 +240,5 @@ def test_cpu_has_bfloat16_dots_reads_the_cpu_flags(monkeypatch, tmp_path,
   cpuinfo = tmp_path / "cpuinfo"
   cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Some CPU\n"
                      f"flags\t\t: {flags}\n\n")
-  real_open = open
-  monkeypatch.setattr(matmuls, "open", lambda path, *a, **k: real_open(
-      cpuinfo if path == "/proc/cpuinfo" else path, *a, **k), raising=False)
+  monkeypatch.setattr(host, "CPUINFO", str(cpuinfo))
   assert matmuls.cpu_has_bfloat16_dots() is expected

@@ -234,6 +234,7 @@ def test_measured_xla_flags_apply_on_the_releases_they_were_measured_on(
   nothing (an unknown flag would abort the process)."""
   flag = "--xla_cpu_experimental_ynn_fusion_type="
   monkeypatch.setattr(host, "jaxlib_release", lambda: release)
+  monkeypatch.setattr(host, "CPUINFO", "/nonexistent/cpuinfo")  # no vendor
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
   assert host.default_xla_flags() == [flag]
   assert os.environ["XLA_FLAGS"] == (
@@ -245,6 +246,42 @@ def test_measured_xla_flags_apply_on_the_releases_they_were_measured_on(
   monkeypatch.setattr(host, "jaxlib_release", lambda: "0.13")
   monkeypatch.setenv("XLA_FLAGS", "")
   assert host.default_xla_flags() == [] and os.environ["XLA_FLAGS"] == ""
+
+
+def _cpuinfo(tmp_path, vendor: str, flags: str) -> str:
+  """A two-processor /proc/cpuinfo of `vendor` with `flags`."""
+  processor = (f"vendor_id\t: {vendor}\nmodel name\t: Some CPU\n"
+               f"flags\t\t: {flags}\n\n")
+  path = tmp_path / "cpuinfo"
+  path.write_text(f"processor\t: 0\n{processor}processor\t: 1\n{processor}")
+  return str(path)
+
+
+@pytest.mark.parametrize("vendor,flags,wide", [
+    ("GenuineIntel", "fpu avx2 fma avx512f avx512bw amx_bf16", True),
+    ("GenuineIntel", "fpu avx2 fma", False),  # an AVX2-only Intel
+    ("AuthenticAMD", "fpu avx2 fma avx512f avx512bw avx512_bf16", False)])
+def test_xla_kernels_take_512_bit_vectors_on_intel_avx512_only(
+    monkeypatch, tmp_path, vendor, flags, wide):
+  """Where 512-bit vectors were measured faster (Intel's AVX-512 cores) the
+  flag is added; on AMD's AVX-512 and without AVX-512 it is not; a user's
+  own width is kept."""
+  monkeypatch.setattr(host, "jaxlib_release", lambda: "0.10")
+  monkeypatch.setattr(host, "CPUINFO", _cpuinfo(tmp_path, vendor, flags))
+  assert host.cpu_features() == (vendor, frozenset(flags.split()))
+  monkeypatch.setenv("XLA_FLAGS", "")
+  width = "--xla_cpu_prefer_vector_width=512"
+  assert (width in host.default_xla_flags()) is wide
+  assert (width in os.environ["XLA_FLAGS"].split()) is wide
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_prefer_vector_width=256")
+  assert width not in host.default_xla_flags()
+  assert os.environ["XLA_FLAGS"].split()[0] == (
+      "--xla_cpu_prefer_vector_width=256")
+
+
+def test_cpu_features_without_cpuinfo_are_empty(monkeypatch):
+  monkeypatch.setattr(host, "CPUINFO", "/nonexistent/cpuinfo")
+  assert host.cpu_features() == ("", frozenset())
 
 
 def test_jaxlib_release_is_the_installed_minor_release():

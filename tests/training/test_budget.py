@@ -304,7 +304,7 @@ def test_budgeted_run_equals_a_run_configured_with_its_planned_steps(
   settings = dict(num_epochs=100_000, eval_every_epochs=100_000,
                   warmup_steps=40,
                   log_every_steps=10, checkpoint_every_steps=10_000,
-                  time_budget_minutes=1.25)
+                  time_budget_minutes=0.5)
   workdir = str(tmp_path / "budget")
   loop.train_and_evaluate(small_config(**settings), workdir)
   log = capsys.readouterr().out

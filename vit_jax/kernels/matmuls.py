@@ -86,13 +86,7 @@ def cpu_has_bfloat16_dots() -> bool:
   """Whether this host's CPU has bfloat16 dot instructions (x86's
   AVX512_BF16 or AMX-BF16, from /proc/cpuinfo), which bfloat16 operands
   need to be faster than float32 ones."""
-  try:
-    with open("/proc/cpuinfo") as cpuinfo:
-      flags = {flag for line in cpuinfo if line.startswith("flags")
-               for flag in line.split(":", 1)[1].split()}
-  except OSError:
-    return False
-  return bool(flags & {"avx512_bf16", "amx_bf16"})
+  return bool(host.cpu_features()[1] & {"avx512_bf16", "amx_bf16"})
 
 
 def _product(a: jax.Array, b: jax.Array, dimension_numbers, precision,
