@@ -6,9 +6,9 @@ r"""XLA:CPU's generated kernels at 256- and 512-bit vectors, side by side.
 Compiles three of the train step's elementwise and reduction fusions at
 ViT-Ti's widths (GELU with its bias; GELU's gradient with the bias's; a
 LayerNorm's forward and backward) twice, with
-`xla_cpu_prefer_vector_width` 256 (LLVM's default for x86 server CPUs) and
-512, and times the two alternately in one process. Run it on one core
-(`taskset -c 0`): in the train step each device runs its kernels on one.
+`xla_cpu_prefer_vector_width` 256 (XLA:CPU's default) and 512, and times
+the two alternately in one process. Run it on one core (`taskset -c 0`):
+in the train step each device runs its kernels on one.
 `runtime.host.default_xla_flags` sets 512 on Intel CPUs with AVX-512,
 where this and the train step measured faster (docs/performance.md, *XLA's
 kernels at 512-bit vectors*). Prints each median and

@@ -21,9 +21,9 @@ documented in docs/performance.md ("Speed on a CPU"):
   ~9 GFLOP/s; without YNNPACK fusions ViT-Ti/16 inference at 224 px runs
   1.6x faster (training unchanged), and on jaxlib 0.11 and 0.12 still
   4-9% faster. On an Intel CPU with AVX-512, XLA's own kernels (GELU,
-  LayerNorm, biases, ...) use 512-bit vectors where LLVM's default for
-  these CPUs is 256: GELU's fusions 19% faster, the ViT-Ti/16 @224 train
-  step 1.7-1.8%, on a Xeon with AMX; on an AMD EPYC with AVX-512 the same
+  LayerNorm, biases, ...) use 512-bit vectors where XLA's default is 256:
+  GELU's fusions 20-50% faster, the ViT-Ti/16 @224 train step 1.7-1.8%,
+  on a Xeon with AMX; on an AMD EPYC with AVX-512 the same
   flag made the step 1.2% slower, so it is not set there. CPU-only flags:
   GPU/TPU ignore them.
 * The CPU as several devices (`split_cpu_into_devices`, `config.cpu_devices`),
