@@ -434,19 +434,18 @@ def worker_environment(fast_malloc: bool, max_isa: str,
 
 def cpu_description() -> tuple[str, list[str]]:
   """The CPU's model name and which of `_ISA_FLAGS` it has (Linux
-  /proc/cpuinfo; x86 "flags" or Arm "Features")."""
-  model, flags = platform.processor() or platform.machine(), set()
+  /proc/cpuinfo; the flags as `host.cpu_features` reads them)."""
+  from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
+  model = platform.processor() or platform.machine()
   try:
-    with open("/proc/cpuinfo") as f:
+    with open(host.CPUINFO) as f:
       for line in f:
         key, _, value = line.partition(":")
-        key = key.strip()
-        if key in ("model name", "Model name", "CPU part") and value.strip():
-          model = value.strip() if key != "CPU part" else model
-        elif key in ("flags", "Features"):
-          flags.update(value.split())
+        if key.strip() in ("model name", "Model name") and value.strip():
+          model = value.strip()
   except OSError:
     pass
+  flags = host.cpu_features()[1]
   return model, [flag for flag in _ISA_FLAGS if flag in flags]
 
 
