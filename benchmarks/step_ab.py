@@ -7,6 +7,7 @@ r"""Two variants of vit_jax's train step, side by side in one process.
   python benchmarks/step_ab.py --a='{"matmul_dtype": "bfloat16"}' \
       --b='{"matmul_dtype": "bfloat16"}' --a_kernel_gradient=xla
   python benchmarks/step_ab.py --b_attention_core=elementwise
+  python benchmarks/step_ab.py --b_free=kernel_gradients
   python benchmarks/step_ab.py --b='{"attention_implementation": "einsum"}'
   python benchmarks/step_ab.py \
       --b_xla_options='{"xla_cpu_prefer_vector_width": 512}'
@@ -37,7 +38,13 @@ fields name one (by default the model runs the C++ attention kernel on a
 CPU: `--b='{"attention_implementation": "einsum"}'` compares the two).
 --a_xla_options / --b_xla_options add XLA options (a JSON dict) to the
 variant's program, over those the model's matmul_dtype asks for
-(`matmuls.xla_compiler_options`).
+(`matmuls.xla_compiler_options`). --a_free / --b_free make one part of
+the step nearly free, the data flow around it kept (`free_part`):
+"kernel_gradients" (each Dense kernel's gradient from 16 rows instead of
+all), "gelu" (the identity in its place, the bias kept), "layer_norm" (its
+scale and offset without the statistics): the most a faster kernel for
+that part could win. Like the elementwise core, they only measure: the
+outputs are not the model's.
 
 Prints each variant's XLA scratch (temp) per device, compile seconds and
 median step, then
@@ -52,8 +59,10 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 from absl import app, flags
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,6 +132,52 @@ def elementwise_core():
     jax.clear_caches()
 
 
+class ScaleAndOffset(nn.Module):
+  """In flax.linen.LayerNorm's place: its parameters (same names, shapes
+  and initialisers) applied without normalising (`free_part`)."""
+  epsilon: float = 1e-6
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    features = (x.shape[-1],)
+    scale = self.param("scale", nn.initializers.ones, features,
+                       self.param_dtype)
+    offset = self.param("bias", nn.initializers.zeros, features,
+                        self.param_dtype)
+    return x * scale + offset
+
+
+def _kernel_gradient_of_16_rows(inputs, output_grad, precision=None,
+                                operand_dtype=None):
+  """A kernel's gradient (K, N) from the first 16 of the rows: the same
+  shape, operands and dependencies as `matmuls.kernel_gradient`'s, at a
+  200th of its work for ViT-Ti/16 @224."""
+  del operand_dtype
+  return jax.lax.dot_general(inputs[:16], output_grad[:16].astype(
+      inputs.dtype), (((0,), (0,)), ((), ())), precision=precision)
+
+
+@contextlib.contextmanager
+def free_part(part: str):
+  """While active (around tracing), `part` of the model costs almost
+  nothing (the module docstring's --a_free); "none" changes nothing."""
+  saved = (matmuls.kernel_gradient, nn.gelu, nn.LayerNorm)
+  jax.clear_caches()  # as in elementwise_core
+  if part == "kernel_gradients":
+    matmuls.kernel_gradient = _kernel_gradient_of_16_rows
+  elif part == "gelu":
+    nn.gelu = lambda x, approximate=True: x
+  elif part == "layer_norm":
+    nn.LayerNorm = ScaleAndOffset
+  try:
+    yield
+  finally:
+    matmuls.kernel_gradient, nn.gelu, nn.LayerNorm = saved
+    jax.clear_caches()
+
+
 _MODEL = flags.DEFINE_enum("model", "ViT-Ti/16@224",
                            ["ViT-Ti/16@224", "vit_tiny_cifar"],
                            "Workload, as in benchmarks/throughput.py.")
@@ -144,6 +199,9 @@ _KERNEL_GRADIENT = _define_per_variant(
     "kernel_gradient", list(KERNEL_GRADIENTS), "Dense kernel gradients")
 _ATTENTION_CORE = _define_per_variant("attention_core", ["xla", "elementwise"],
                                       "attention core")
+_FREE = _define_per_variant(
+    "free", ["none", "kernel_gradients", "gelu", "layer_norm"],
+    "part of the step made nearly free")
 _XLA_OPTIONS = {variant: flags.DEFINE_string(
     f"{variant.lower()}_xla_options", "{}",
     f"Variant {variant}'s extra XLA compiler options (JSON).")
@@ -154,8 +212,8 @@ _CPU_DEVICES = flags.DEFINE_integer(
 
 
 def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
-                    attention_core: str, xla_options: dict, size: int,
-                    patch: int, images, labels, mesh):
+                    attention_core: str, xla_options: dict, free: str,
+                    size: int, patch: int, images, labels, mesh):
   """(compiled train step, its train state, seconds of trace + lowering +
   compilation) for one variant."""
   # The blocks are traced once and cached by jit: a new softmax or kernel
@@ -178,8 +236,10 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
       matmuls.xla_compiler_options(fields.get("matmul_dtype")) or {},
       **xla_options) or None)
   start = time.perf_counter()
-  with (elementwise_core() if attention_core == "elementwise"
-        else contextlib.nullcontext()):
+  with contextlib.ExitStack() as patches:
+    if attention_core == "elementwise":
+      patches.enter_context(elementwise_core())
+    patches.enter_context(free_part(free))
     lowered = step.trace(state, images, labels).lower()
   compiled = lowered.compile()
   return compiled, state, time.perf_counter() - start
@@ -199,13 +259,14 @@ def main(argv):
   variants = {}
   settings = {name: (fields.value, _SOFTMAX[name].value,
                      _KERNEL_GRADIENT[name].value,
-                     _ATTENTION_CORE[name].value, _XLA_OPTIONS[name].value)
+                     _ATTENTION_CORE[name].value, _XLA_OPTIONS[name].value,
+                     _FREE[name].value)
               for name, fields in (("A", _A), ("B", _B))}
   for name, (fields, softmax, kernel_gradient, attention_core,
-             xla_options) in settings.items():
+             xla_options, free) in settings.items():
     compiled, state, compile_s = compile_variant(
         json.loads(fields), softmax, kernel_gradient, attention_core,
-        json.loads(xla_options), size, patch, images, labels, mesh)
+        json.loads(xla_options), free, size, patch, images, labels, mesh)
     variants[name] = dict(compiled=compiled, state=state,
                           compile_s=compile_s, times=[],
                           temp_mib=compiled.memory_analysis()
@@ -228,11 +289,11 @@ def main(argv):
   print(f"\nCommand: python benchmarks/step_ab.py {' '.join(sys.argv[1:])}")
   print(f"{_MODEL.value}, batch {batch}, {len(jax.devices())} device(s)")
   for name, variant in variants.items():
-    fields, softmax, kernel_gradient, attention_core, xla_options = (
+    fields, softmax, kernel_gradient, attention_core, xla_options, free = (
         settings[name])
     print(f"{name}: {fields} softmax={softmax} kernel_gradient="
           f"{kernel_gradient} attention_core={attention_core} xla_options="
-          f"{xla_options}: median step "
+          f"{xla_options} free={free}: median step "
           f"{statistics.median(variant['times']):.3f} s, scratch "
           f"{variant['temp_mib']:.0f} MiB per device, compile "
           f"{variant['compile_s']:.1f} s")

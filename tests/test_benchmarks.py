@@ -177,7 +177,6 @@ def test_step_ab_kernel_gradients_agree():
   operands."""
   import jax  # pylint: disable=import-outside-toplevel
   step_ab = _benchmark_module("step_ab")
-  from vit_jax.kernels import matmuls  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(0)
   for depth, width in ((6, 20), (20, 6)):
     inputs = rng.normal(size=(30, depth)).astype(np.float32)
@@ -219,6 +218,45 @@ def test_step_ab_elementwise_core_takes_the_attention_core_out():
     lhs, rhs = np.arange(6.0).reshape(2, 3), np.arange(12.0).reshape(3, 4)
     np.testing.assert_allclose(jnp.einsum("ij,jk->ik", lhs, rhs), lhs @ rhs)
   assert core_shape in program()
+
+
+def test_step_ab_free_parts_take_out_only_their_part():
+  """step_ab's --b_free: while a part is made free a ViT traces without
+  that part's work (GELU's tanh, LayerNorm's rsqrt, the kernels' gradients
+  over every row) and with the same parameters; before and after, the
+  model is whole."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  step_ab = _benchmark_module("step_ab")
+  from vit_jax.kernels import matmuls  # pylint: disable=import-outside-toplevel
+  from vit_jax.model import vit  # pylint: disable=import-outside-toplevel
+  model = vit.VisionTransformer(num_classes=3, patch_size=4, hidden_size=16,
+                                num_layers=1, num_heads=1, mlp_dim=32)
+  images = jnp.ones((2, 16, 16, 3))
+  shapes = lambda: jax.tree.map(jnp.shape, model.init(
+      jax.random.PRNGKey(0), images)["params"])
+  expected_shapes = shapes()
+  params = model.init(jax.random.PRNGKey(0), images)["params"]
+  loss = lambda params: model.apply({"params": params}, images).sum()
+  program = lambda: str(jax.make_jaxpr(jax.grad(loss))(params))
+  whole = program()
+  for part, gone in (("gelu", "tanh"), ("layer_norm", "rsqrt")):
+    assert gone in whole
+    with step_ab.free_part(part):
+      assert gone not in program(), part
+      assert shapes() == expected_shapes, part
+    assert program() == whole
+  with step_ab.free_part("kernel_gradients"):
+    assert matmuls.kernel_gradient is not step_ab.OUR_KERNEL_GRADIENT
+    rng = np.random.default_rng(0)
+    inputs, output_grad = rng.normal(size=(2, 40, 5)).astype(np.float32)
+    np.testing.assert_allclose(
+        matmuls.kernel_gradient(inputs, output_grad),
+        inputs[:16].T @ output_grad[:16], rtol=1e-5)
+    assert program() != whole
+  assert matmuls.kernel_gradient is step_ab.OUR_KERNEL_GRADIENT
+  with step_ab.free_part("none"):
+    assert program() == whole
 
 
 def test_gpu_flags_jax_matmul_gradients_are_the_same_gradients():

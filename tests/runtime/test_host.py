@@ -279,6 +279,25 @@ def test_xla_kernels_take_512_bit_vectors_on_intel_avx512_only(
       "--xla_cpu_prefer_vector_width=256")
 
 
+@pytest.mark.parametrize("cap,wide", [
+    ("--xla_cpu_max_isa=AVX2", False), ("--xla_cpu_max_isa=avx2", False),
+    ("--xla_cpu_max_isa=SSE4_2", False), ("--xla_cpu_max_isa=AVX512", True),
+    ("--xla_cpu_max_isa=AMX --xla_cpu_max_isa=AVX2", False),
+    ("--xla_cpu_max_isa=AVX512_BF16", True)])
+def test_an_isa_cap_below_avx512_takes_no_512_bit_vectors(
+    monkeypatch, tmp_path, cap, wide):
+  """An Intel AVX-512 CPU capped at a lower instruction set (the stand-in
+  for an AVX2-only CPU) gets what such a CPU gets: no 512-bit preference;
+  the last cap is the one XLA reads."""
+  monkeypatch.setattr(host, "jaxlib_release", lambda: "0.10")
+  monkeypatch.setattr(host, "CPUINFO", _cpuinfo(
+      tmp_path, "GenuineIntel", "fpu avx2 fma avx512f avx512bw"))
+  monkeypatch.setenv("XLA_FLAGS", cap)
+  width = "--xla_cpu_prefer_vector_width=512"
+  assert (width in host.default_xla_flags()) is wide
+  assert os.environ["XLA_FLAGS"].startswith(cap)
+
+
 def test_cpu_features_without_cpuinfo_are_empty(monkeypatch):
   monkeypatch.setattr(host, "CPUINFO", "/nonexistent/cpuinfo")
   assert host.cpu_features() == ("", frozenset())

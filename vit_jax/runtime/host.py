@@ -40,6 +40,7 @@ import ctypes.util
 import logging
 import os
 import platform
+import re
 import sys
 from typing import Mapping, Optional, Sequence
 
@@ -132,10 +133,19 @@ def cpu_features() -> tuple[str, frozenset[str]]:
   return vendor, flags
 
 
-def _flags_for_this_cpu() -> tuple[str, ...]:
+def _capped_below_avx512(xla_flags: str) -> bool:
+  """Whether xla_flags cap XLA:CPU's instruction set below AVX-512
+  (`--xla_cpu_max_isa=AVX2`, as `benchmarks/throughput.py --max_isa=avx2`
+  sets to stand in for an AVX2-only CPU, which would not get 512-bit
+  vectors either)."""
+  caps = re.findall(r"--xla_cpu_max_isa=(\w+)", xla_flags)
+  return bool(caps) and not caps[-1].upper().startswith(("AVX512", "AMX"))
+
+
+def _flags_for_this_cpu(xla_flags: str) -> tuple[str, ...]:
   vendor, flags = cpu_features()
-  return _WIDE_VECTORS if (vendor == "GenuineIntel"
-                           and "avx512f" in flags) else ()
+  return _WIDE_VECTORS if (vendor == "GenuineIntel" and "avx512f" in flags
+                           and not _capped_below_avx512(xla_flags)) else ()
 
 
 def jaxlib_release() -> Optional[str]:
@@ -155,10 +165,10 @@ def default_xla_flags() -> list[str]:
   XLA_FLAGS once). Returns the flags added.
   """
   release = jaxlib_release()
+  current = os.environ.get("XLA_FLAGS", "")
   flags = _XLA_CPU_FLAGS.get(release, ())
   if release in _XLA_CPU_FLAGS:
-    flags += _flags_for_this_cpu()
-  current = os.environ.get("XLA_FLAGS", "")
+    flags += _flags_for_this_cpu(current)
   added = [flag for flag in flags if flag.split("=")[0] not in current]
   if added:
     os.environ["XLA_FLAGS"] = " ".join([current] + added).strip()
