@@ -111,6 +111,25 @@ def test_bfloat16_matmuls_train_like_float32():
                           _twenty_steps())
 
 
+@pytest.mark.parametrize("matmul_dtype,has_dots,says", [
+    ("bfloat16", False, "Warning: config.model.matmul_dtype='bfloat16'"),
+    (None, True, "--config.model.matmul_dtype=bfloat16"),
+    ("bfloat16", True, None), (None, False, None)])
+def test_the_log_advises_on_matmul_dtype_by_the_cpus_dot_instructions(
+    monkeypatch, matmul_dtype, has_dots, says):
+  """bfloat16 products where the CPU has no bfloat16 dots get a warning
+  (they run slower); float32 where it has them, a note naming the option;
+  a suited setting, nothing."""
+  from vit_jax.kernels import matmuls  # pylint: disable=import-outside-toplevel
+  from vit_jax.training import run  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(matmuls, "cpu_has_bfloat16_dots", lambda: has_dots)
+  advice = run.matmul_dtype_advice(matmul_dtype)
+  if says is None:
+    assert advice is None
+  else:
+    assert advice.startswith(("Warning", "Note")) and says in advice
+
+
 def test_eval_step_ignores_padding():
   config = small_config()
   mesh = sharding.make_mesh()

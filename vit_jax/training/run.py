@@ -149,11 +149,30 @@ def _log_model(config, spec: config_lib.RunSpec, mesh, state,
       f"{jax.process_count()} process(es), mesh {dict(mesh.shape)}; "
       f"{bound}{total_steps} steps of batch {config.batch_size} "
       f"({spec.steps_per_epoch} per epoch).")
-  if (dims.matmul_dtype == "bfloat16" and jax.default_backend() == "cpu"
-      and not matmuls.cpu_has_bfloat16_dots()):
-    log("Warning: config.model.matmul_dtype='bfloat16' on a CPU without "
-        "bfloat16 dot instructions (AVX512_BF16, AMX): the products widen "
-        "to float32 and run slower than float32 ones. Unset it here.")
+  advice = matmul_dtype_advice(dims.matmul_dtype)
+  if advice:
+    log(advice)
+
+
+def matmul_dtype_advice(matmul_dtype: Optional[str]) -> Optional[str]:
+  """A line for the log where config.model.matmul_dtype does not suit this
+  CPU; None where it does, or off a CPU."""
+  if jax.default_backend() != "cpu":
+    return None
+  has_dots = matmuls.cpu_has_bfloat16_dots()
+  if matmul_dtype == "bfloat16" and not has_dots:
+    return ("Warning: config.model.matmul_dtype='bfloat16' on a CPU without "
+            "bfloat16 dot instructions (AVX512_BF16, AMX): the products "
+            "widen to float32 and run slower than float32 ones. Unset it "
+            "here.")
+  if matmul_dtype is None and has_dots:
+    return ("Note: this CPU has bfloat16 dot instructions (AVX512_BF16, "
+            "AMX). --config.model.matmul_dtype=bfloat16 rounds the encoder's "
+            "matmul operands to bfloat16 (float32 sums and activations) and "
+            "trained 1.15-1.43x faster on such CPUs, with the same accuracy "
+            "on Fashion-MNIST (docs/performance.md, *bfloat16 products on a "
+            "CPU*); float32 stays the default for its exact numerics.")
+  return None
 
 
 def init_from_pretrained(config: ml_collections.ConfigDict,
