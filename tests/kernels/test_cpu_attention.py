@@ -79,6 +79,47 @@ def test_values_and_gradients_match_a_float64_reference(
       rtol=1e-6, atol=1e-7)
 
 
+def _rounded(x):
+  return np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+
+
+@pytest.mark.parametrize("batch, heads, query_tokens, key_tokens, head_dim", [
+    (1, 2, 197, 197, 64), (3, 3, 1, 65, 64), (2, 2, 5, 7, 80),
+    (2, 1, 16, 16, 16), (1, 1, 50, 50, 32)])
+def test_bfloat16_products_match_the_float64_reference_of_rounded_operands(
+    batch, heads, query_tokens, key_tokens, head_dim):
+  """operand_dtype=bfloat16: the output is softmax(q k^T) v of q, k, v
+  rounded to bfloat16, the probabilities rounded for the second product
+  (within half a bfloat16 step of each weight: 2^-9 max|v|), not
+  float32's; training's forward gives the same output; the gradient's
+  four products round their operands too (dO, V, K, Q, P, dS): within a
+  bfloat16 step or two of float64's (with AMX or without: the AVX2 and
+  SSE builds run this test too)."""
+  query, key, value, output_grad = _operands(batch, heads, query_tokens,
+                                             key_tokens, head_dim)
+  q, k, v = _rounded(query), _rounded(key), _rounded(value)
+  logits = np.einsum("bhqd,bhkd->bhqk", q, k)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  expected = np.einsum("bhqk,bhkd->bhqd", p, v)
+  core = lambda *qkv: cpu_attention.attention_core(*qkv, jnp.bfloat16)
+  output = np.asarray(jax.jit(core)(query, key, value))
+  bound = 2.0**-9 * np.abs(v).max()
+  assert np.abs(output - expected).max() < bound
+  float32 = np.asarray(cpu_attention.attention_core(query, key, value))
+  assert np.abs(float32 - expected).max() > 1e-4  # the rounding shows
+  trained, vjp = jax.vjp(core, query, key, value)
+  np.testing.assert_array_equal(trained, output)
+  _, expected_gradients = _reference(query, key, value, output_grad)
+  for got, want in zip(vjp(output_grad), expected_gradients):
+    got = np.asarray(got, np.float64)
+    assert np.abs(got - want).max() < 2.0**-6 * np.abs(want).max()
+    assert np.sum(got * want) > 0.9999 * np.linalg.norm(got) * np.linalg.norm(
+        want)
+  with pytest.raises(ValueError, match="bfloat16 operands or float32"):
+    cpu_attention.attention_core(query, key, value, jnp.float16)
+
+
 def test_extreme_logits_stay_finite_and_exact():
   """A row of large logits (softmax one-hot up to rounding) and one of
   equal logits (uniform)."""
@@ -163,9 +204,24 @@ def test_the_model_takes_the_kernel_on_cpu_with_the_einsums_values(
   (kernel_loss, kernel_grads), program = run("auto")
   (einsum_loss, einsum_grads), _ = run("einsum")
   assert "VitAttentionBackward" in program  # "auto" took the kernel
+  assert "Bf16" not in program
   np.testing.assert_allclose(kernel_loss, einsum_loss, rtol=1e-5)
   chex.assert_trees_all_close(kernel_grads, einsum_grads, atol=1e-5,
                               rtol=1e-4)
+
+
+def test_the_models_bfloat16_products_take_the_kernels_bfloat16_products():
+  """config.model.matmul_dtype=bfloat16 rounds the attention core's
+  operands too, in training (forward and backward) and evaluation."""
+  images = np.ones((2, 12, 12, 3), np.float32)
+  model = vit.VisionTransformer(**_DIMS, matmul_dtype="bfloat16")
+  params = model.init(jax.random.key(0), images)
+  loss = lambda params: jnp.sum(model.apply(params, images))
+  training = jax.jit(jax.grad(loss)).lower(params).as_text()
+  assert "VitAttentionForwardForTrainingBf16" in training
+  assert "VitAttentionBackwardBf16" in training
+  assert "VitAttentionForwardForInferenceBf16" in jax.jit(
+      loss).lower(params).as_text()
 
 
 def test_the_build_is_cached_and_failures_name_the_compiler(

@@ -19,6 +19,7 @@ takes its einsums ("auto") or raises ("cpu_kernel").
 part, with no gathering (`cpu_build.batch_partitionable`).
 """
 
+import functools
 from typing import Any, Optional
 
 import jax
@@ -55,38 +56,69 @@ def _same(*avals):
 
 
 # Each (batch, head) pair is independent: two batch axes.
+def _training_results(query, key, value):
+  del value
+  return [(query.shape, query.dtype),
+          (query.shape[:3] + (padded_keys(key.shape[2]),), query.dtype)]
+
+
 _training = cpu_build.batch_partitionable(
-    "VitAttentionForwardForTraining", lambda query, key, value: [
-        (query.shape, query.dtype),
-        (query.shape[:3] + (padded_keys(key.shape[2]),), query.dtype)], 2)
+    "VitAttentionForwardForTraining", _training_results, 2)
 _inference = cpu_build.batch_partitionable(
     "VitAttentionForwardForInference",
+    lambda query, key, value: _same(query), 2)
+# With bfloat16 operands for the forward pass's two products (`attention_core`).
+_training_bf16 = cpu_build.batch_partitionable(
+    "VitAttentionForwardForTrainingBf16", _training_results, 2)
+_inference_bf16 = cpu_build.batch_partitionable(
+    "VitAttentionForwardForInferenceBf16",
     lambda query, key, value: _same(query), 2)
 _gradient = cpu_build.batch_partitionable(
     "VitAttentionBackward",
     lambda query, key, value, *_: _same(query, key, value), 2)
+_gradient_bf16 = cpu_build.batch_partitionable(
+    "VitAttentionBackwardBf16",
+    lambda query, key, value, *_: _same(query, key, value), 2)
 
 
-@jax.custom_vjp
-def attention_core(query: jax.Array, key: jax.Array, value: jax.Array
-                   ) -> jax.Array:
+def _kernels(operand_dtype: Any):
+  """(inference, training, gradient) primitives: float32 products, or
+  bfloat16 operands with float32 sums."""
+  if operand_dtype is None:
+    return _inference, _training, _gradient
+  if jnp.dtype(operand_dtype) != jnp.bfloat16:
+    raise ValueError(f"the attention kernel's products take bfloat16 "
+                     f"operands or float32 ones, not {operand_dtype}")
+  return _inference_bf16, _training_bf16, _gradient_bf16
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def attention_core(query: jax.Array, key: jax.Array, value: jax.Array,
+                   operand_dtype: Any = None) -> jax.Array:
   """softmax(query key^T) value over the last two axes, float32 on CPU.
 
   query (B, heads, Tq, head_dim), already scaled by 1/sqrt(head_dim); key
   and value (B, heads, Tk, head_dim). Returns (B, heads, Tq, head_dim).
-  Needs `problem(...)` to be None.
+  With operand_dtype bfloat16 every product of the forward and backward
+  passes (two and four) reads its operands rounded to bfloat16 and sums
+  in float32, as the model's bfloat16 products do; the softmax and its
+  gradient stay float32. On a CPU with AMX the products run as AMX tile
+  products. Needs `problem(...)` to be None.
   """
-  (output,) = _inference.bind(query, key, value)
+  inference, _, _ = _kernels(operand_dtype)
+  (output,) = inference.bind(query, key, value)
   return output
 
 
-def _core_forward(query, key, value):
-  output, probabilities = _training.bind(query, key, value)
+def _core_forward(query, key, value, operand_dtype):
+  _, training, _ = _kernels(operand_dtype)
+  output, probabilities = training.bind(query, key, value)
   return output, (query, key, value, probabilities)
 
 
-def _core_backward(residuals, output_grad):
-  return tuple(_gradient.bind(*residuals, output_grad))
+def _core_backward(operand_dtype, residuals, output_grad):
+  _, _, gradient = _kernels(operand_dtype)
+  return tuple(gradient.bind(*residuals, output_grad))
 
 
 attention_core.defvjp(_core_forward, _core_backward)

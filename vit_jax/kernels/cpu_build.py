@@ -41,7 +41,10 @@ _FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC",
 # of several kinds.
 MARCH_VARIABLE = "VIT_JAX_KERNEL_MARCH"
 TARGETS = ("VitAttentionForwardForTraining", "VitAttentionForwardForInference",
-           "VitAttentionBackward", "VitTransposeToBfloat16")
+           "VitAttentionForwardForTrainingBf16",
+           "VitAttentionForwardForInferenceBf16",
+           "VitAttentionBackward", "VitAttentionBackwardBf16",
+           "VitTransposeToBfloat16")
 
 
 def cache_dir() -> pathlib.Path:

@@ -142,7 +142,8 @@ class MultiHeadSelfAttention(nn.Module):
 
     if fused == "cpu_kernel":
       attended = cpu_attention.attention_core(
-          query / jnp.sqrt(head_dim).astype(self.dtype), key, value)
+          query / jnp.sqrt(head_dim).astype(self.dtype), key, value,
+          self.matmul_dtype)
       return per_token(output, jnp.swapaxes(attended, 1, 2))
     if fused is not None:
       attended = attention.dot_product_attention(

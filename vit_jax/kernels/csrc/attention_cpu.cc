@@ -24,6 +24,12 @@
 #include <mutex>
 #include <vector>
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -233,6 +239,338 @@ void BackwardPair(const Shape& s, const float* q, const float* k,
   Product(tk, d, tq, ds, 1, tkp, q, d, dk, d);  // dK = dS^T Q
 }
 
+// The forward pass with q, k, v and the probabilities rounded to bfloat16
+// (to nearest even) for its two products, which sum in float32: what the
+// model's bfloat16 products ask for (cpu_attention.py). Where the CPU has
+// AMX (and Linux grants this process its tile registers) the products run
+// as AMX tile products; elsewhere the same rounded values go through the
+// float32 products. (AVX512_BF16's dot instruction is no help: on an AMX
+// Xeon it ran at half the rate of float32 FMAs, docs/performance.md.)
+inline uint16_t ToBfloat16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (bits >> 16) | 0x0040u;  // a NaN stays one
+  return (bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+}
+
+inline float FromBfloat16(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float result;
+  std::memcpy(&result, &bits, 4);
+  return result;
+}
+
+// The rounded operands widened back to float32, through the float32
+// products: the values of ForwardPairAmx without AMX.
+void ForwardPairRounded(const Shape& s, const float* q, const float* k,
+                        const float* v, float* o, float* p) {
+  const int64_t d = s.head_dim, tq = s.query_tokens, tk = s.key_tokens,
+                tkp = s.padded_keys;
+  thread_local std::vector<float> rounded;
+  const size_t size = tq * d + 2 * tk * d + d * tkp + 2 * tq * tkp;
+  if (rounded.size() < size) rounded.resize(size);
+  float* qr = rounded.data();
+  float* kr = qr + tq * d;
+  float* vr = kr + tk * d;
+  float* kt = vr + tk * d;
+  float* pr = kt + d * tkp;
+  if (p == nullptr) p = pr + tq * tkp;
+  auto round = [](int64_t n, const float* x, float* out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = FromBfloat16(ToBfloat16(x[i]));
+  };
+  round(tq * d, q, qr);
+  round(tk * d, k, kr);
+  round(tk * d, v, vr);
+  Transpose(tk, d, kr, tkp, kt);
+  Product(tq, tkp, d, qr, d, 1, kt, tkp, p, tkp);
+  Softmax(tq, tk, tkp, p);
+  round(tq * tkp, p, pr);
+  Product(tq, d, tk, pr, tkp, 1, vr, d, o, d);
+}
+
+// BackwardPair from rounded operands (dO, V, K, Q, P and dS), through the
+// float32 products: the values of BackwardPairAmx without AMX.
+void BackwardPairRounded(const Shape& s, const float* q, const float* k,
+                         const float* v, const float* p, const float* dout,
+                         float* dq, float* dk, float* dv) {
+  const int64_t d = s.head_dim, tq = s.query_tokens, tk = s.key_tokens,
+                tkp = s.padded_keys;
+  thread_local std::vector<float> rounded;
+  const size_t size = 2 * tq * d + 2 * tk * d + 2 * tq * tkp + d * tkp;
+  if (rounded.size() < size) rounded.resize(size);
+  float* qr = rounded.data();
+  float* gr = qr + tq * d;
+  float* kr = gr + tq * d;
+  float* vr = kr + tk * d;
+  float* pr = vr + tk * d;
+  float* ds = pr + tq * tkp;
+  float* vt = ds + tq * tkp;
+  auto round = [](int64_t n, const float* x, float* out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = FromBfloat16(ToBfloat16(x[i]));
+  };
+  round(tq * d, q, qr);
+  round(tq * d, dout, gr);
+  round(tk * d, k, kr);
+  round(tk * d, v, vr);
+  round(tq * tkp, p, pr);
+  Product(tk, d, tq, pr, 1, tkp, gr, d, dv, d);  // dV = P^T dO
+  Transpose(tk, d, vr, tkp, vt);
+  Product(tq, tkp, d, gr, d, 1, vt, tkp, ds, tkp);  // dP = dO V^T
+  SoftmaxGradient(tq, tkp, p, ds);
+  round(tq * tkp, ds, ds);
+  Product(tq, d, tk, ds, tkp, 1, kr, d, dq, d);  // dQ = dS K
+  Product(tk, d, tq, ds, 1, tkp, qr, d, dk, d);  // dK = dS^T Q
+}
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__)
+// Whether Linux lets this process use AMX's tile data (asked once).
+bool AmxGranted() {
+  static const bool granted =
+      syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+              18 /* XFEATURE_XTILEDATA */) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows of 64 bytes: an accumulator of 16 x 16 floats, an A
+// operand of 16 rows of 32 bfloat16 values, a B operand of 16 rows of 16
+// pairs (two depth steps per 32-bit word).
+void ConfigureTiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// x (rows x columns floats, leading dimension ld) rounded into out (rows
+// of out_columns bfloat16 values, zero past columns; out_rows rows, zero
+// past rows). columns is a multiple of 16.
+void ToBfloat16Rows(int64_t rows, int64_t columns, const float* x, int64_t ld,
+                    int64_t out_rows, int64_t out_columns, uint16_t* out) {
+  for (int64_t i = 0; i < out_rows; ++i) {
+    uint16_t* row = out + i * out_columns;
+    int64_t j = 0;
+    if (i < rows) {
+      for (; j < columns; j += 16)
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(row + j),
+            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i * ld + j)));
+    }
+    std::fill(row + j, row + out_columns, uint16_t{0});
+  }
+}
+
+// C (16 m_blocks x 16 n_blocks floats, leading dimension ldc) = A B: A
+// rows of depth bfloat16 values (a_stride bytes apart), B rows of pairs
+// (b_stride bytes apart), depth a multiple of 32.
+void TileProduct(int64_t m_blocks, int64_t n_blocks, int64_t depth,
+                 const uint16_t* a, int64_t a_stride, const uint32_t* b,
+                 int64_t b_stride, float* c, int64_t ldc) {
+  for (int64_t m = 0; m < m_blocks; ++m)
+    for (int64_t n = 0; n < n_blocks; ++n) {
+      _tile_zero(0);
+      for (int64_t kk = 0; kk < depth; kk += 32) {
+        _tile_loadd(1, reinterpret_cast<const char*>(a) + 16 * m * a_stride +
+                           kk * 2, a_stride);
+        _tile_loadd(2, reinterpret_cast<const char*>(b) +
+                           (kk / 2) * b_stride + n * 64, b_stride);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, c + 16 * m * ldc + 16 * n, ldc * 4);
+    }
+}
+
+// out (out_pairs x columns words): word (j, c) the pair (x[2j, c],
+// x[2j+1, c]), zero past x's rows: B operand rows that pair two rows of
+// x. columns is a multiple of 16.
+void PairRows(int64_t rows, int64_t columns, const float* x, int64_t ld,
+              int64_t out_pairs, uint32_t* out) {
+  auto row = [&](int64_t t, int64_t c) {
+    return t < rows ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
+                          _mm512_loadu_ps(x + t * ld + c)))
+                    : _mm512_setzero_si512();
+  };
+  for (int64_t j = 0; j < out_pairs; ++j)
+    for (int64_t c = 0; c < columns; c += 16)
+      _mm512_storeu_si512(out + j * columns + c,
+                          _mm512_or_si512(row(2 * j, c),
+                                          _mm512_slli_epi32(row(2 * j + 1, c),
+                                                            16)));
+}
+
+// out (depth_pairs x out_columns words): word (j, n) the pair (x[n, 2j],
+// x[n, 2j+1]), zero past x's rows and columns: B operand rows that pair
+// two columns of x (x^T as a product's right side). scratch holds rows *
+// depth_pairs words.
+void PairColumns(int64_t rows, int64_t columns, const float* x, int64_t ld,
+                 int64_t depth_pairs, int64_t out_columns, uint32_t* out,
+                 uint32_t* scratch) {
+  ToBfloat16Rows(rows, columns, x, ld, rows, 2 * depth_pairs,
+                 reinterpret_cast<uint16_t*>(scratch));
+  for (int64_t j = 0; j < depth_pairs; ++j) {
+    uint32_t* row = out + j * out_columns;
+    for (int64_t n = 0; n < rows; ++n) row[n] = scratch[n * depth_pairs + j];
+    std::fill(row + rows, row + out_columns, 0u);
+  }
+}
+
+// out (out_rows x out_columns bfloat16): x^T rounded, zero past x's
+// columns and rows: A operand rows from x's columns. scratch holds rows *
+// columns values.
+void ToBfloat16Transposed(int64_t rows, int64_t columns, const float* x,
+                          int64_t ld, int64_t out_rows, int64_t out_columns,
+                          uint16_t* out, uint16_t* scratch) {
+  ToBfloat16Rows(rows, columns, x, ld, rows, columns, scratch);
+  // In blocks of 16 x 16 values, which stay in L1.
+  for (int64_t n0 = 0; n0 < columns; n0 += 16)
+    for (int64_t t0 = 0; t0 < rows; t0 += 16) {
+      const int64_t n1 = std::min(columns, n0 + 16),
+                    t1 = std::min(rows, t0 + 16);
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t t = t0; t < t1; ++t)
+          out[n * out_columns + t] = scratch[t * columns + n];
+    }
+  for (int64_t n = 0; n < out_rows; ++n) {
+    uint16_t* row = out + n * out_columns;
+    std::fill(row + (n < columns ? rows : 0), row + out_columns, uint16_t{0});
+  }
+}
+
+// Scratch of one thread for the AMX passes, in 32-bit words.
+uint32_t* AmxScratch(size_t words) {
+  thread_local std::vector<uint32_t> scratch;
+  if (scratch.size() < words) scratch.resize(words);
+  return scratch.data();
+}
+
+inline int64_t RoundUpTo(int64_t n, int64_t multiple) {
+  return (n + multiple - 1) / multiple * multiple;
+}
+
+// The forward pass of one pair on AMX (see above). Query rows are padded
+// to whole tiles of 16, head_dim and keys to whole depth steps of 32.
+void ForwardPairAmx(const Shape& s, const float* q, const float* k,
+                    const float* v, float* o, float* p) {
+  const int64_t d = s.head_dim, tq = s.query_tokens, tk = s.key_tokens,
+                tkp = s.padded_keys;
+  const int64_t tqt = RoundUpTo(tq, 16), dd = RoundUpTo(d, 32),
+                tkd = RoundUpTo(tkp, 32);
+  const int64_t qn = tqt * dd / 2, kn = dd / 2 * tkp, vn = tkd / 2 * d,
+                pn = tqt * tkd / 2, rows = tk * dd / 2;
+  uint32_t* qw = AmxScratch(qn + kn + vn + pn + rows + tqt * tkp + tqt * d);
+  uint32_t* kw = qw + qn;
+  uint32_t* vw = kw + kn;
+  uint32_t* pw = vw + vn;
+  uint32_t* krows = pw + pn;
+  float* logits = reinterpret_cast<float*>(krows + rows);  // tqt x tkp
+  float* out = logits + tqt * tkp;
+  ToBfloat16Rows(tq, d, q, d, tqt, dd, reinterpret_cast<uint16_t*>(qw));
+  PairColumns(tk, d, k, d, dd / 2, tkp, kw, krows);
+  PairRows(tk, d, v, d, tkd / 2, vw);
+  ConfigureTiles();
+  TileProduct(tqt / 16, tkp / 16, dd, reinterpret_cast<uint16_t*>(qw), dd * 2,
+              kw, tkp * 4, logits, tkp);
+  Softmax(tq, tk, tkp, logits);
+  if (p) std::memcpy(p, logits, tq * tkp * sizeof(float));
+  ToBfloat16Rows(tq, tkp, logits, tkp, tqt, tkd,
+                 reinterpret_cast<uint16_t*>(pw));
+  TileProduct(tqt / 16, d / 16, tkd, reinterpret_cast<uint16_t*>(pw), tkd * 2,
+              vw, d * 4, out, d);
+  _tile_release();
+  std::memcpy(o, out, tq * d * sizeof(float));
+}
+
+// The backward pass of one pair on AMX: BackwardPair's four products from
+// bfloat16 operands (dO, V, K, Q, P and dS rounded), float32 sums and
+// softmax gradient.
+void BackwardPairAmx(const Shape& s, const float* q, const float* k,
+                     const float* v, const float* p, const float* dout,
+                     float* dq, float* dk, float* dv) {
+  const int64_t d = s.head_dim, tq = s.query_tokens, tk = s.key_tokens,
+                tkp = s.padded_keys;
+  const int64_t tqt = RoundUpTo(tq, 16), tqd = RoundUpTo(tq, 32),
+                dd = RoundUpTo(d, 32), tkd = RoundUpTo(tkp, 32);
+  // Operands (words): A (d x tqd or tqt x max(tkd, dd) bfloat16), B (pair
+  // rows: tkd/2 of d, tqd/2 or dd/2 of tkp), the conversions' scratch;
+  // results: dS (tqt x tkp floats) and one product (d x tkp or tqt x d).
+  const int64_t an = std::max(d * tqd, tqt * std::max(tkd, dd)) / 2,
+                bn = std::max(tkd / 2 * d, std::max(tqd, dd) / 2 * tkp),
+                sn = std::max(tq * d / 2 + 1, tk * dd / 2);
+  uint32_t* a = AmxScratch(an + bn + sn + tqt * tkp +
+                           std::max(tkp, tqt) * d);
+  uint32_t* b = a + an;
+  uint32_t* scratch = b + bn;
+  float* ds = reinterpret_cast<float*>(scratch + sn);
+  float* product = ds + tqt * tkp;
+  uint16_t* a16 = reinterpret_cast<uint16_t*>(a);
+  ConfigureTiles();
+  // dV = (dO^T P)^T: of the two operands contracted over their rows, the
+  // narrower one (dO, not P) is the one transposed.
+  ToBfloat16Transposed(tq, d, dout, d, d, tqd, a16,
+                       reinterpret_cast<uint16_t*>(scratch));
+  PairRows(tq, tkp, p, tkp, tqd / 2, b);
+  TileProduct(d / 16, tkp / 16, tqd, a16, tqd * 2, b, tkp * 4, product, tkp);
+  for (int64_t n = 0; n < tk; ++n)
+    for (int64_t c = 0; c < d; ++c) dv[n * d + c] = product[c * tkp + n];
+  // dP = dO V^T, then dS in its place
+  ToBfloat16Rows(tq, d, dout, d, tqt, dd, a16);
+  PairColumns(tk, d, v, d, dd / 2, tkp, b, scratch);
+  TileProduct(tqt / 16, tkp / 16, dd, a16, dd * 2, b, tkp * 4, ds, tkp);
+  SoftmaxGradient(tq, tkp, p, ds);
+  // dQ = dS K
+  ToBfloat16Rows(tq, tkp, ds, tkp, tqt, tkd, a16);
+  PairRows(tk, d, k, d, tkd / 2, b);
+  TileProduct(tqt / 16, d / 16, tkd, a16, tkd * 2, b, d * 4, product, d);
+  std::memcpy(dq, product, tq * d * sizeof(float));
+  // dK = (Q^T dS)^T, the same way round
+  ToBfloat16Transposed(tq, d, q, d, d, tqd, a16,
+                       reinterpret_cast<uint16_t*>(scratch));
+  PairRows(tq, tkp, ds, tkp, tqd / 2, b);
+  TileProduct(d / 16, tkp / 16, tqd, a16, tqd * 2, b, tkp * 4, product, tkp);
+  for (int64_t n = 0; n < tk; ++n)
+    for (int64_t c = 0; c < d; ++c) dk[n * d + c] = product[c * tkp + n];
+  _tile_release();
+}
+
+void ForwardPairBf16(const Shape& s, const float* q, const float* k,
+                     const float* v, float* o, float* p) {
+  if (AmxGranted()) {
+    ForwardPairAmx(s, q, k, v, o, p);
+  } else {
+    ForwardPairRounded(s, q, k, v, o, p);
+  }
+}
+
+void BackwardPairBf16(const Shape& s, const float* q, const float* k,
+                      const float* v, const float* p, const float* dout,
+                      float* dq, float* dk, float* dv) {
+  if (AmxGranted()) {
+    BackwardPairAmx(s, q, k, v, p, dout, dq, dk, dv);
+  } else {
+    BackwardPairRounded(s, q, k, v, p, dout, dq, dk, dv);
+  }
+}
+#else
+void ForwardPairBf16(const Shape& s, const float* q, const float* k,
+                     const float* v, float* o, float* p) {
+  ForwardPairRounded(s, q, k, v, o, p);
+}
+
+void BackwardPairBf16(const Shape& s, const float* q, const float* k,
+                      const float* v, const float* p, const float* dout,
+                      float* dq, float* dk, float* dv) {
+  BackwardPairRounded(s, q, k, v, p, dout, dq, dk, dv);
+}
+#endif
+
 // Runs work(pair) for every pair, on the calling thread and up to
 // num_threads - 1 of XLA's intra-op threads. Pairs are claimed from a shared
 // counter, so a helper that starts late finds nothing and nobody waits on a
@@ -277,15 +615,20 @@ ffi::Error ShapeOf(const ffi::Buffer<ffi::F32>& q,
 // p is null for inference: the probabilities then stay in scratch.
 ffi::Error Forward(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& q,
                    const ffi::Buffer<ffi::F32>& k,
-                   const ffi::Buffer<ffi::F32>& v, float* o, float* p) {
+                   const ffi::Buffer<ffi::F32>& v, float* o, float* p,
+                   bool bfloat16 = false) {
   Shape s;
   if (ffi::Error error = ShapeOf(q, k, &s); error.failure()) return error;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   ForEachPair(pool, s.pairs, [=](int64_t i) {
     const int64_t qo = i * s.query_tokens * s.head_dim,
                   ko = i * s.key_tokens * s.head_dim;
-    ForwardPair(s, qp + qo, kp + ko, vp + ko, o + qo,
-                p ? p + i * s.query_tokens * s.padded_keys : nullptr);
+    float* pi = p ? p + i * s.query_tokens * s.padded_keys : nullptr;
+    if (bfloat16) {
+      ForwardPairBf16(s, qp + qo, kp + ko, vp + ko, o + qo, pi);
+    } else {
+      ForwardPair(s, qp + qo, kp + ko, vp + ko, o + qo, pi);
+    }
   });
   return ffi::Error::Success();
 }
@@ -303,12 +646,29 @@ ffi::Error ForwardForInference(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return Forward(pool, q, k, v, o->typed_data(), nullptr);
 }
 
-ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                    ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                    ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> dout,
-                    ffi::ResultBuffer<ffi::F32> dq,
-                    ffi::ResultBuffer<ffi::F32> dk,
-                    ffi::ResultBuffer<ffi::F32> dv) {
+ffi::Error ForwardForTrainingBf16(ffi::ThreadPool pool,
+                                  ffi::Buffer<ffi::F32> q,
+                                  ffi::Buffer<ffi::F32> k,
+                                  ffi::Buffer<ffi::F32> v,
+                                  ffi::ResultBuffer<ffi::F32> o,
+                                  ffi::ResultBuffer<ffi::F32> p) {
+  return Forward(pool, q, k, v, o->typed_data(), p->typed_data(), true);
+}
+
+ffi::Error ForwardForInferenceBf16(ffi::ThreadPool pool,
+                                   ffi::Buffer<ffi::F32> q,
+                                   ffi::Buffer<ffi::F32> k,
+                                   ffi::Buffer<ffi::F32> v,
+                                   ffi::ResultBuffer<ffi::F32> o) {
+  return Forward(pool, q, k, v, o->typed_data(), nullptr, true);
+}
+
+ffi::Error BackwardOf(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q,
+                      ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v,
+                      ffi::Buffer<ffi::F32>& p, ffi::Buffer<ffi::F32>& dout,
+                      ffi::ResultBuffer<ffi::F32>& dq,
+                      ffi::ResultBuffer<ffi::F32>& dk,
+                      ffi::ResultBuffer<ffi::F32>& dv, bool bfloat16) {
   Shape s;
   if (ffi::Error error = ShapeOf(q, k, &s); error.failure()) return error;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(),
@@ -319,10 +679,29 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     const int64_t qo = i * s.query_tokens * s.head_dim,
                   ko = i * s.key_tokens * s.head_dim,
                   po = i * s.query_tokens * s.padded_keys;
-    BackwardPair(s, qp + qo, kp + ko, vp + ko, pp + po, gp + qo, dqp + qo,
-                 dkp + ko, dvp + ko);
+    (bfloat16 ? BackwardPairBf16 : BackwardPair)(
+        s, qp + qo, kp + ko, vp + ko, pp + po, gp + qo, dqp + qo, dkp + ko,
+        dvp + ko);
   });
   return ffi::Error::Success();
+}
+
+ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                    ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                    ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> dout,
+                    ffi::ResultBuffer<ffi::F32> dq,
+                    ffi::ResultBuffer<ffi::F32> dk,
+                    ffi::ResultBuffer<ffi::F32> dv) {
+  return BackwardOf(pool, q, k, v, p, dout, dq, dk, dv, false);
+}
+
+ffi::Error BackwardBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                        ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                        ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> dout,
+                        ffi::ResultBuffer<ffi::F32> dq,
+                        ffi::ResultBuffer<ffi::F32> dk,
+                        ffi::ResultBuffer<ffi::F32> dv) {
+  return BackwardOf(pool, q, k, v, p, dout, dq, dk, dv, true);
 }
 
 }  // namespace
@@ -346,7 +725,38 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VitAttentionForwardForInference,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VitAttentionForwardForTrainingBf16,
+                              ForwardForTrainingBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VitAttentionForwardForInferenceBf16,
+                              ForwardForInferenceBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(VitAttentionBackward, Backward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VitAttentionBackwardBf16, BackwardBf16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
