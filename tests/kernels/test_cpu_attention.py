@@ -5,6 +5,7 @@ sets and for Arm (cross-compiled, run under qemu) (where "auto" picks it:
 test_attention.py)."""
 
 import os
+import pathlib
 import platform
 import re
 import shutil
@@ -222,6 +223,23 @@ def test_the_models_bfloat16_products_take_the_kernels_bfloat16_products():
   assert "VitAttentionBackwardBf16" in training
   assert "VitAttentionForwardForInferenceBf16" in jax.jit(
       loss).lower(params).as_text()
+
+
+def test_every_kernel_file_is_built_and_keys_the_cached_build(monkeypatch):
+  """Every file in csrc is a source compiled into the library or a header
+  one includes, and each keys the cached build: editing any of them
+  builds a new library."""
+  csrc = cpu_build.SOURCES[0].parent
+  assert sorted(path.name for path in csrc.iterdir()) == sorted(
+      path.name for path in cpu_build.SOURCES + cpu_build.HEADERS)
+  key = lambda: cpu_build._library_path("c++", ("-O3",))  # pylint: disable=protected-access
+  before = key()
+  header = cpu_build.HEADERS[-1]
+  text = header.read_text()
+  monkeypatch.setattr(type(header), "read_text", lambda path: (
+      text + "// edited" if path == header else pathlib.Path.read_bytes(
+          path).decode()))
+  assert key() != before
 
 
 def test_the_build_is_cached_and_failures_name_the_compiler(

@@ -10,6 +10,13 @@ faster (docs/performance.md, *The attention core as a C++ kernel*).
 products and a vectorised softmax, and keeps the probabilities for the
 backward pass as the einsums do.
 
+With the model's bfloat16 products (`config.model.matmul_dtype`) the
+kernel's products round their operands to bfloat16 too
+(`csrc/attention_bf16_cpu.cc`), as PyTorch's CPU autocast does for its
+attention: on a CPU with AMX they run as AMX tile products, and the
+ViT-Ti/16 @224 train step with bfloat16 products took 9.5% less time
+(docs/performance.md, *bfloat16 on an AMX CPU*).
+
 The kernel is built on first use for this machine's CPU (`cpu_build`).
 Without a compiler, or if the build fails, `problem` says why and the model
 takes its einsums ("auto") or raises ("cpu_kernel").

@@ -1,7 +1,8 @@
 """vit_jax's C++ kernels for XLA:CPU: built, loaded, and bound as primitives.
 
-The kernels (`csrc/*.cc`: the attention core, `cpu_attention.py`; the
-bfloat16 transpose, `cpu_transpose.py`) are XLA FFI handlers in one shared
+The kernels (`csrc/*.cc`: the attention core in float32 and with bfloat16
+operands, `cpu_attention.py`; the bfloat16 transpose, `cpu_transpose.py`;
+the headers they share) are XLA FFI handlers in one shared
 library, compiled from source with the system's C++ compiler (`$CXX`, else
 `c++`) the first time one is needed on a machine, for that machine's CPU
 (-march=native on x86, -mcpu=native on Arm), and cached under
@@ -31,8 +32,10 @@ import jax.numpy as jnp
 from jax.extend import core
 from jax.interpreters import batching, mlir
 
-SOURCES = tuple(pathlib.Path(__file__).parent / "csrc" / name
-                for name in ("attention_cpu.cc", "transpose_cpu.cc"))
+_CSRC = pathlib.Path(__file__).parent / "csrc"
+SOURCES = tuple(_CSRC / name for name in (
+    "attention_cpu.cc", "attention_bf16_cpu.cc", "transpose_cpu.cc"))
+HEADERS = tuple(_CSRC / name for name in ("attention_core.h", "amx_tiles.h"))
 _FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC",
           "-w")
 # The instruction set the kernels are compiled for: this CPU's by default;
@@ -79,7 +82,8 @@ def _library_path(compiler: str, flags: tuple[str, ...]) -> pathlib.Path:
   """Where the library built by compiler with flags is cached: one file per
   sources, compiler, flags, JAX and CPU."""
   key = hashlib.sha256("\0".join(
-      [*(source.read_text() for source in SOURCES), compiler, *flags,
+      [*(source.read_text() for source in SOURCES + HEADERS), compiler,
+       *flags,
        jax.ffi.include_dir(), jax.__version__, platform.machine(),
        _cpu_signature()]).encode()).hexdigest()[:16]
   return cache_dir() / f"cpu_kernels-{key}.so"

@@ -101,13 +101,15 @@ class VisionTransformer(nn.Module):
       `jax.checkpoint` of the scan body.
     matmul_dtype: None (the default: the matmuls compute in `dtype`) or
       bfloat16: the encoder's Dense products (attention's projections, the
-      MLP) read their operands rounded to bfloat16 and accumulate in
-      float32, forward and backward, while everything else computes in
-      `dtype`. For float32 training on CPUs with bfloat16 dot instructions
-      (AVX512_BF16, AMX), jitted with
+      MLP) and, with the CPU attention kernel, the attention core's
+      products read their operands rounded to bfloat16 and accumulate in
+      float32, forward and backward, while everything else (softmax,
+      LayerNorm, GELU) computes in `dtype`. For float32 training on CPUs
+      with bfloat16 dot instructions (AVX512_BF16, AMX), jitted with
       `kernels.matmuls.xla_compiler_options(matmul_dtype)`: 1.1-1.2x faster
-      train steps on an AVX512_BF16 CPU (docs/performance.md, *bfloat16
-      products on a CPU*); slower on CPUs without them.
+      train steps on an AVX512_BF16 CPU, ~1.5x on an AMX one
+      (docs/performance.md, *bfloat16 products on a CPU*); slower on CPUs
+      without them.
     dtype: compute dtype (bfloat16 on GPU/TPU); logits are returned float32.
     param_dtype: dtype the parameters are stored in (keep float32).
   """

@@ -1,0 +1,277 @@
+// The attention core with its products' operands rounded to bfloat16 (to
+// nearest even) and float32 sums, as XLA FFI handlers: what
+// vit_jax/kernels/cpu_attention.py's attention_core runs when the model's
+// products are bfloat16 (see there). The forward pass rounds q, k, v and
+// the probabilities; the backward pass dO, V, K, Q, P and dS; the softmax
+// and its gradient stay float32. Same layouts and pairs as
+// attention_cpu.cc (attention_core.h).
+//
+// Where the CPU has AMX (and Linux grants this process its tile data) the
+// products run as AMX tile products (amx_tiles.h); elsewhere the same
+// rounded values go through the float32 products. (AVX512_BF16's dot
+// instruction is no help: on an AMX Xeon it ran at half the rate of
+// float32 FMAs, docs/performance.md.)
+
+#include "attention_core.h"
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__)
+#include "amx_tiles.h"
+#endif
+
+namespace {
+
+// x rounded to bfloat16 (its bits), as XLA's convert rounds; a NaN stays
+// one.
+inline uint16_t ToBfloat16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (bits >> 16) | 0x0040u;  // a NaN stays one
+  return (bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+}
+
+inline float FromBfloat16(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float result;
+  std::memcpy(&result, &bits, 4);
+  return result;
+}
+
+// The rounded operands widened back to float32, through the float32
+// products: the values of ForwardPairAmx without AMX.
+void ForwardPairRounded(const Shape& s, const float* q, const float* k,
+                        const float* v, float* o, float* p) {
+  const int64_t d = s.head_dim, tq = s.query_tokens, tk = s.key_tokens,
+                tkp = s.padded_keys;
+  thread_local std::vector<float> rounded;
+  const size_t size = tq * d + 2 * tk * d + d * tkp + 2 * tq * tkp;
+  if (rounded.size() < size) rounded.resize(size);
+  float* qr = rounded.data();
+  float* kr = qr + tq * d;
+  float* vr = kr + tk * d;
+  float* kt = vr + tk * d;
+  float* pr = kt + d * tkp;
+  if (p == nullptr) p = pr + tq * tkp;
+  auto round = [](int64_t n, const float* x, float* out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = FromBfloat16(ToBfloat16(x[i]));
+  };
+  round(tq * d, q, qr);
+  round(tk * d, k, kr);
+  round(tk * d, v, vr);
+  Transpose(tk, d, kr, tkp, kt);
+  Product(tq, tkp, d, qr, d, 1, kt, tkp, p, tkp);
+  Softmax(tq, tk, tkp, p);
+  round(tq * tkp, p, pr);
+  Product(tq, d, tk, pr, tkp, 1, vr, d, o, d);
+}
+
+// BackwardPair from rounded operands (dO, V, K, Q, P and dS), through the
+// float32 products: the values of BackwardPairAmx without AMX.
+void BackwardPairRounded(const Shape& s, const float* q, const float* k,
+                         const float* v, const float* p, const float* dout,
+                         float* dq, float* dk, float* dv) {
+  const int64_t d = s.head_dim, tq = s.query_tokens, tk = s.key_tokens,
+                tkp = s.padded_keys;
+  thread_local std::vector<float> rounded;
+  const size_t size = 2 * tq * d + 2 * tk * d + 2 * tq * tkp + d * tkp;
+  if (rounded.size() < size) rounded.resize(size);
+  float* qr = rounded.data();
+  float* gr = qr + tq * d;
+  float* kr = gr + tq * d;
+  float* vr = kr + tk * d;
+  float* pr = vr + tk * d;
+  float* ds = pr + tq * tkp;
+  float* vt = ds + tq * tkp;
+  auto round = [](int64_t n, const float* x, float* out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = FromBfloat16(ToBfloat16(x[i]));
+  };
+  round(tq * d, q, qr);
+  round(tq * d, dout, gr);
+  round(tk * d, k, kr);
+  round(tk * d, v, vr);
+  round(tq * tkp, p, pr);
+  Product(tk, d, tq, pr, 1, tkp, gr, d, dv, d);  // dV = P^T dO
+  Transpose(tk, d, vr, tkp, vt);
+  Product(tq, tkp, d, gr, d, 1, vt, tkp, ds, tkp);  // dP = dO V^T
+  SoftmaxGradient(tq, tkp, p, ds);
+  round(tq * tkp, ds, ds);
+  Product(tq, d, tk, ds, tkp, 1, kr, d, dq, d);  // dQ = dS K
+  Product(tk, d, tq, ds, 1, tkp, qr, d, dk, d);  // dK = dS^T Q
+}
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__)
+// The forward pass of one pair on AMX. Query rows are padded
+// to whole tiles of 16, head_dim and keys to whole depth steps of 32.
+void ForwardPairAmx(const Shape& s, const float* q, const float* k,
+                    const float* v, float* o, float* p) {
+  const int64_t d = s.head_dim, tq = s.query_tokens, tk = s.key_tokens,
+                tkp = s.padded_keys;
+  const int64_t tqt = RoundUpTo(tq, 16), dd = RoundUpTo(d, 32),
+                tkd = RoundUpTo(tkp, 32);
+  const int64_t qn = tqt * dd / 2, kn = dd / 2 * tkp, vn = tkd / 2 * d,
+                pn = tqt * tkd / 2, rows = tk * dd / 2;
+  uint32_t* qw = AmxScratch(qn + kn + vn + pn + rows + tqt * tkp + tqt * d);
+  uint32_t* kw = qw + qn;
+  uint32_t* vw = kw + kn;
+  uint32_t* pw = vw + vn;
+  uint32_t* krows = pw + pn;
+  float* logits = reinterpret_cast<float*>(krows + rows);  // tqt x tkp
+  float* out = logits + tqt * tkp;
+  ToBfloat16Rows(tq, d, q, d, tqt, dd, reinterpret_cast<uint16_t*>(qw));
+  PairColumns(tk, d, k, d, dd / 2, tkp, kw, krows);
+  PairRows(tk, d, v, d, tkd / 2, vw);
+  ConfigureTiles();
+  TileProduct(tqt / 16, tkp / 16, dd, reinterpret_cast<uint16_t*>(qw), dd * 2,
+              kw, tkp * 4, logits, tkp);
+  Softmax(tq, tk, tkp, logits);
+  if (p) std::memcpy(p, logits, tq * tkp * sizeof(float));
+  ToBfloat16Rows(tq, tkp, logits, tkp, tqt, tkd,
+                 reinterpret_cast<uint16_t*>(pw));
+  TileProduct(tqt / 16, d / 16, tkd, reinterpret_cast<uint16_t*>(pw), tkd * 2,
+              vw, d * 4, out, d);
+  _tile_release();
+  std::memcpy(o, out, tq * d * sizeof(float));
+}
+
+// The backward pass of one pair on AMX: BackwardPair's four products from
+// bfloat16 operands (dO, V, K, Q, P and dS rounded), float32 sums and
+// softmax gradient.
+void BackwardPairAmx(const Shape& s, const float* q, const float* k,
+                     const float* v, const float* p, const float* dout,
+                     float* dq, float* dk, float* dv) {
+  const int64_t d = s.head_dim, tq = s.query_tokens, tk = s.key_tokens,
+                tkp = s.padded_keys;
+  const int64_t tqt = RoundUpTo(tq, 16), tqd = RoundUpTo(tq, 32),
+                dd = RoundUpTo(d, 32), tkd = RoundUpTo(tkp, 32);
+  // Operands (words): A (d x tqd or tqt x max(tkd, dd) bfloat16), B (pair
+  // rows: tkd/2 of d, tqd/2 or dd/2 of tkp), the conversions' scratch;
+  // results: dS (tqt x tkp floats) and one product (d x tkp or tqt x d).
+  const int64_t an = std::max(d * tqd, tqt * std::max(tkd, dd)) / 2,
+                bn = std::max(tkd / 2 * d, std::max(tqd, dd) / 2 * tkp),
+                sn = std::max(tq * d / 2 + 1, tk * dd / 2);
+  uint32_t* a = AmxScratch(an + bn + sn + tqt * tkp +
+                           std::max(tkp, tqt) * d);
+  uint32_t* b = a + an;
+  uint32_t* scratch = b + bn;
+  float* ds = reinterpret_cast<float*>(scratch + sn);
+  float* product = ds + tqt * tkp;
+  uint16_t* a16 = reinterpret_cast<uint16_t*>(a);
+  ConfigureTiles();
+  // dV = (dO^T P)^T: of the two operands contracted over their rows, the
+  // narrower one (dO, not P) is the one transposed.
+  ToBfloat16Transposed(tq, d, dout, d, d, tqd, a16,
+                       reinterpret_cast<uint16_t*>(scratch));
+  PairRows(tq, tkp, p, tkp, tqd / 2, b);
+  TileProduct(d / 16, tkp / 16, tqd, a16, tqd * 2, b, tkp * 4, product, tkp);
+  for (int64_t n = 0; n < tk; ++n)
+    for (int64_t c = 0; c < d; ++c) dv[n * d + c] = product[c * tkp + n];
+  // dP = dO V^T, then dS in its place
+  ToBfloat16Rows(tq, d, dout, d, tqt, dd, a16);
+  PairColumns(tk, d, v, d, dd / 2, tkp, b, scratch);
+  TileProduct(tqt / 16, tkp / 16, dd, a16, dd * 2, b, tkp * 4, ds, tkp);
+  SoftmaxGradient(tq, tkp, p, ds);
+  // dQ = dS K
+  ToBfloat16Rows(tq, tkp, ds, tkp, tqt, tkd, a16);
+  PairRows(tk, d, k, d, tkd / 2, b);
+  TileProduct(tqt / 16, d / 16, tkd, a16, tkd * 2, b, d * 4, product, d);
+  std::memcpy(dq, product, tq * d * sizeof(float));
+  // dK = (Q^T dS)^T, the same way round
+  ToBfloat16Transposed(tq, d, q, d, d, tqd, a16,
+                       reinterpret_cast<uint16_t*>(scratch));
+  PairRows(tq, tkp, ds, tkp, tqd / 2, b);
+  TileProduct(d / 16, tkp / 16, tqd, a16, tqd * 2, b, tkp * 4, product, tkp);
+  for (int64_t n = 0; n < tk; ++n)
+    for (int64_t c = 0; c < d; ++c) dk[n * d + c] = product[c * tkp + n];
+  _tile_release();
+}
+
+void ForwardPairBf16(const Shape& s, const float* q, const float* k,
+                     const float* v, float* o, float* p) {
+  if (AmxGranted()) {
+    ForwardPairAmx(s, q, k, v, o, p);
+  } else {
+    ForwardPairRounded(s, q, k, v, o, p);
+  }
+}
+
+void BackwardPairBf16(const Shape& s, const float* q, const float* k,
+                      const float* v, const float* p, const float* dout,
+                      float* dq, float* dk, float* dv) {
+  if (AmxGranted()) {
+    BackwardPairAmx(s, q, k, v, p, dout, dq, dk, dv);
+  } else {
+    BackwardPairRounded(s, q, k, v, p, dout, dq, dk, dv);
+  }
+}
+#else
+void ForwardPairBf16(const Shape& s, const float* q, const float* k,
+                     const float* v, float* o, float* p) {
+  ForwardPairRounded(s, q, k, v, o, p);
+}
+
+void BackwardPairBf16(const Shape& s, const float* q, const float* k,
+                      const float* v, const float* p, const float* dout,
+                      float* dq, float* dk, float* dv) {
+  BackwardPairRounded(s, q, k, v, p, dout, dq, dk, dv);
+}
+#endif
+
+ffi::Error ForwardForTrainingBf16(ffi::ThreadPool pool,
+                                  ffi::Buffer<ffi::F32> q,
+                                  ffi::Buffer<ffi::F32> k,
+                                  ffi::Buffer<ffi::F32> v,
+                                  ffi::ResultBuffer<ffi::F32> o,
+                                  ffi::ResultBuffer<ffi::F32> p) {
+  return Forward(pool, q, k, v, o->typed_data(), p->typed_data(),
+                 ForwardPairBf16);
+}
+
+ffi::Error ForwardForInferenceBf16(ffi::ThreadPool pool,
+                                   ffi::Buffer<ffi::F32> q,
+                                   ffi::Buffer<ffi::F32> k,
+                                   ffi::Buffer<ffi::F32> v,
+                                   ffi::ResultBuffer<ffi::F32> o) {
+  return Forward(pool, q, k, v, o->typed_data(), nullptr, ForwardPairBf16);
+}
+
+ffi::Error BackwardBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                        ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                        ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> dout,
+                        ffi::ResultBuffer<ffi::F32> dq,
+                        ffi::ResultBuffer<ffi::F32> dk,
+                        ffi::ResultBuffer<ffi::F32> dv) {
+  return Backward(pool, q, k, v, p, dout, dq->typed_data(), dk->typed_data(),
+                  dv->typed_data(), BackwardPairBf16);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VitAttentionForwardForTrainingBf16,
+                              ForwardForTrainingBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VitAttentionForwardForInferenceBf16,
+                              ForwardForInferenceBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VitAttentionBackwardBf16, BackwardBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

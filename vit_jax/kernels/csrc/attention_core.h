@@ -1,0 +1,291 @@
+// What the attention kernels (attention_cpu.cc in float32,
+// attention_bf16_cpu.cc with bfloat16 operands) share: the register-tiled
+// float32 products, the softmax and its gradient, the pairs' shape and the
+// loop that runs every pair on XLA's threads. Internal to those files (its
+// definitions are in an unnamed namespace).
+
+#ifndef VIT_JAX_KERNELS_CSRC_ATTENTION_CORE_H_
+#define VIT_JAX_KERNELS_CSRC_ATTENTION_CORE_H_
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Rows of probabilities and head_dim are multiples of kPad floats (the
+// Python side's LANES). A Vec is one hardware register of kLanes floats,
+// which divides kPad: a vector wider than the registers would be split by
+// the compiler, which then keeps a tile's accumulators on the stack (32x
+// slower with AVX2). Tiles of kMaxRows x kMaxVectors accumulators leave a
+// register for each of the VECTORS loads of B and one for A's broadcast.
+constexpr int kPad = 16;
+#if defined(__AVX512F__)
+constexpr int kLanes = 16, kMaxRows = 6, kMaxVectors = 4;  // 24 of 32 zmm
+#elif defined(__AVX2__)
+constexpr int kLanes = 8, kMaxRows = 6, kMaxVectors = 2;  // 12 of 16 ymm
+#elif defined(__aarch64__)
+constexpr int kLanes = 4, kMaxRows = 6, kMaxVectors = 4;  // 24 of 32 q
+#else
+constexpr int kLanes = 4, kMaxRows = 6, kMaxVectors = 2;  // 12 of 16 xmm
+#endif
+static_assert(kPad % kLanes == 0, "a row of kPad floats is whole vectors");
+typedef float Vec __attribute__((vector_size(kLanes * 4), aligned(4)));
+typedef int32_t IVec __attribute__((vector_size(kLanes * 4), aligned(4)));
+
+inline Vec Load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
+inline void Store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
+// x - 0 is x for every float (-0 included), so the compiler drops the
+// subtraction and broadcasts straight from memory; Vec{} + x would be an add
+// (0 + -0 is +0) and a register shuffle per splat: a third of the AVX2
+// tile's instructions, 16-24% of its products' time.
+inline Vec Splat(float x) { return x - Vec{}; }
+
+int64_t RoundUp(int64_t n) { return (n + kPad - 1) / kPad * kPad; }
+
+// C[r, v*kLanes ..] = sum_k A(r, k) B[k, v*kLanes ..] for ROWS rows and
+// VECTORS vectors, where A(r, k) = a[r * a_row + k * a_k].
+template <int ROWS, int VECTORS>
+inline void Tile(int64_t depth, const float* a, int64_t a_row, int64_t a_k,
+                 const float* b, int64_t ldb, float* c, int64_t ldc) {
+  Vec acc[ROWS][VECTORS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < VECTORS; ++v) acc[r][v] = Vec{};
+  for (int64_t k = 0; k < depth; ++k) {
+    Vec bk[VECTORS];
+    for (int v = 0; v < VECTORS; ++v) bk[v] = Load(b + k * ldb + v * kLanes);
+    for (int r = 0; r < ROWS; ++r) {
+      const Vec ar = Splat(a[r * a_row + k * a_k]);
+      for (int v = 0; v < VECTORS; ++v) acc[r][v] += ar * bk[v];
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < VECTORS; ++v)
+      Store(c + r * ldc + v * kLanes, acc[r][v]);
+}
+
+template <int VECTORS>
+void RowsOf(int64_t rows, int64_t depth, const float* a, int64_t a_row,
+            int64_t a_k, const float* b, int64_t ldb, float* c, int64_t ldc) {
+  int64_t r = 0;
+  for (; r + kMaxRows <= rows; r += kMaxRows)
+    Tile<kMaxRows, VECTORS>(depth, a + r * a_row, a_row, a_k, b, ldb,
+                            c + r * ldc, ldc);
+  for (; r < rows; ++r)  // at most kMaxRows - 1 rows left
+    Tile<1, VECTORS>(depth, a + r * a_row, a_row, a_k, b, ldb, c + r * ldc,
+                     ldc);
+}
+
+// C (rows x columns, columns a multiple of kPad) = A B, A(r, k) as in Tile,
+// B (depth x columns) row major with leading dimension ldb.
+void Product(int64_t rows, int64_t columns, int64_t depth, const float* a,
+             int64_t a_row, int64_t a_k, const float* b, int64_t ldb, float* c,
+             int64_t ldc) {
+  int64_t vectors = columns / kLanes;
+  int64_t column = 0;
+  // Widest tiles first; a remainder below kMaxVectors runs once, narrower.
+  while (vectors > 0) {
+    const int64_t width = std::min<int64_t>(vectors, kMaxVectors);
+    const float* bc = b + column;
+    float* cc = c + column;
+    switch (width) {
+      case 4: RowsOf<4>(rows, depth, a, a_row, a_k, bc, ldb, cc, ldc); break;
+      case 3: RowsOf<3>(rows, depth, a, a_row, a_k, bc, ldb, cc, ldc); break;
+      case 2: RowsOf<2>(rows, depth, a, a_row, a_k, bc, ldb, cc, ldc); break;
+      default: RowsOf<1>(rows, depth, a, a_row, a_k, bc, ldb, cc, ldc);
+    }
+    vectors -= width;
+    column += width * kLanes;
+  }
+}
+
+// x^T: (rows x columns) -> (columns x padded_rows), the padding zero.
+void Transpose(int64_t rows, int64_t columns, const float* x,
+               int64_t padded_rows, float* out) {
+  for (int64_t j = 0; j < columns; ++j) {
+    float* row = out + j * padded_rows;
+    for (int64_t i = 0; i < rows; ++i) row[i] = x[i * columns + j];
+    std::fill(row + rows, row + padded_rows, 0.0f);
+  }
+}
+
+// exp(x) to about one ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor
+// series to degree 7 (truncation error below 6e-9), 2^n through the exponent
+// bits. Inputs are clamped to [-87, 88]: below, only the shifted logits'
+// far tail, whose exp (~1.6e-38) is nothing beside the row maximum's 1.
+inline Vec Exp(Vec x) {
+  const Vec low = Splat(-87.0f), high = Splat(88.0f);
+  x = x < low ? low : x;
+  x = x > high ? high : x;
+  const float kShifter = 12582912.0f;  // 1.5 * 2^23: adds round to integer
+  const Vec shifted = x * Splat(1.44269504088896341f) + Splat(kShifter);
+  const Vec n = shifted - Splat(kShifter);
+  const Vec r = (x - n * Splat(0.693359375f)) - n * Splat(-2.12194440e-4f);
+  Vec p = Splat(1.0f / 5040);
+  p = p * r + Splat(1.0f / 720);
+  p = p * r + Splat(1.0f / 120);
+  p = p * r + Splat(1.0f / 24);
+  p = p * r + Splat(1.0f / 6);
+  p = p * r + Splat(0.5f);
+  p = p * r + Splat(1.0f);
+  p = p * r + Splat(1.0f);
+  const IVec bits = reinterpret_cast<const IVec&>(shifted);
+  const IVec exponent = (bits - 0x4B400000 + 127) << 23;
+  return p * reinterpret_cast<const Vec&>(exponent);
+}
+
+// Rows of logits (padded width) -> probabilities in place; the padding -> 0.
+void Softmax(int64_t rows, int64_t width, int64_t padded, float* x) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float* row = x + i * padded;
+    std::fill(row + width, row + padded, -INFINITY);
+    Vec vmax = Splat(-INFINITY);
+    for (int64_t j = 0; j < padded; j += kLanes) {
+      const Vec xj = Load(row + j);
+      vmax = xj > vmax ? xj : vmax;
+    }
+    float row_max = vmax[0];
+    for (int l = 1; l < kLanes; ++l) row_max = std::max(row_max, vmax[l]);
+    Vec vsum{};
+    for (int64_t j = 0; j < padded; j += kLanes) {
+      const Vec e = Exp(Load(row + j) - row_max);
+      Store(row + j, e);
+      vsum += e;
+    }
+    float sum = 0.0f;
+    for (int l = 0; l < kLanes; ++l) sum += vsum[l];
+    const float inverse = 1.0f / sum;
+    for (int64_t j = 0; j < padded; j += kLanes)
+      Store(row + j, Load(row + j) * inverse);
+    std::fill(row + width, row + padded, 0.0f);
+  }
+}
+
+// dS = P * (dP - rowsum(P * dP)) in place of dP; the softmax's gradient.
+void SoftmaxGradient(int64_t rows, int64_t padded, const float* p, float* dp) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* pi = p + i * padded;
+    float* gi = dp + i * padded;
+    Vec vdot{};
+    for (int64_t j = 0; j < padded; j += kLanes)
+      vdot += Load(pi + j) * Load(gi + j);
+    float dot = 0.0f;
+    for (int l = 0; l < kLanes; ++l) dot += vdot[l];
+    for (int64_t j = 0; j < padded; j += kLanes)
+      Store(gi + j, Load(pi + j) * (Load(gi + j) - dot));
+  }
+}
+
+struct Shape {
+  int64_t pairs, query_tokens, key_tokens, padded_keys, head_dim;
+};
+
+// Scratch of one thread, reused across calls.
+std::vector<float>& Scratch(size_t size) {
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < size) scratch.resize(size);
+  return scratch;
+}
+
+// Runs work(pair) for every pair, on the calling thread and up to
+// num_threads - 1 of XLA's intra-op threads. Pairs are claimed from a shared
+// counter, so a helper that starts late finds nothing and nobody waits on a
+// task that never ran.
+template <typename Work>
+void ForEachPair(ffi::ThreadPool& pool, int64_t pairs, Work work) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mutex;
+    std::condition_variable finished;
+  };
+  auto state = std::make_shared<State>();
+  auto run = [state, pairs, work]() {
+    for (int64_t i; (i = state->next.fetch_add(1)) < pairs;) {
+      work(i);
+      if (state->done.fetch_add(1) + 1 == pairs) {
+        std::lock_guard<std::mutex> lock(state->mutex);
+        state->finished.notify_all();
+      }
+    }
+  };
+  const int64_t helpers =
+      std::min<int64_t>(pool.num_threads(), pairs) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(run)(run));
+  run();
+  std::unique_lock<std::mutex> lock(state->mutex);
+  state->finished.wait(lock, [&] { return state->done.load() == pairs; });
+}
+
+ffi::Error ShapeOf(const ffi::Buffer<ffi::F32>& q,
+                   const ffi::Buffer<ffi::F32>& k, Shape* shape) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || qd[0] != kd[0] || qd[1] != kd[1] ||
+      qd[3] != kd[3] || qd[3] % kPad != 0)
+    return ffi::Error::InvalidArgument(
+        "vit_jax attention kernel: q must be (B, H, Tq, D) and k, v "
+        "(B, H, Tk, D) with D a multiple of 16");
+  *shape = Shape{qd[0] * qd[1], qd[2], kd[2], RoundUp(kd[2]), qd[3]};
+  return ffi::Error::Success();
+}
+
+// A pair's forward pass: (shape, q, k, v) -> o and, unless p is null, the
+// probabilities.
+typedef void (*ForwardPairFunction)(const Shape&, const float*, const float*,
+                                    const float*, float*, float*);
+// A pair's backward pass: (shape, q, k, v, p, dO) -> dQ, dK, dV.
+typedef void (*BackwardPairFunction)(const Shape&, const float*, const float*,
+                                     const float*, const float*, const float*,
+                                     float*, float*, float*);
+
+// The forward pass of every pair. p is null for inference: the
+// probabilities then stay in scratch.
+ffi::Error Forward(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& q,
+                   const ffi::Buffer<ffi::F32>& k,
+                   const ffi::Buffer<ffi::F32>& v, float* o, float* p,
+                   ForwardPairFunction forward_pair) {
+  Shape s;
+  if (ffi::Error error = ShapeOf(q, k, &s); error.failure()) return error;
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  ForEachPair(pool, s.pairs, [=](int64_t i) {
+    const int64_t qo = i * s.query_tokens * s.head_dim,
+                  ko = i * s.key_tokens * s.head_dim;
+    forward_pair(s, qp + qo, kp + ko, vp + ko, o + qo,
+                 p ? p + i * s.query_tokens * s.padded_keys : nullptr);
+  });
+  return ffi::Error::Success();
+}
+
+// The backward pass of every pair.
+ffi::Error Backward(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& q,
+                    const ffi::Buffer<ffi::F32>& k,
+                    const ffi::Buffer<ffi::F32>& v,
+                    const ffi::Buffer<ffi::F32>& p,
+                    const ffi::Buffer<ffi::F32>& dout, float* dq, float* dk,
+                    float* dv, BackwardPairFunction backward_pair) {
+  Shape s;
+  if (ffi::Error error = ShapeOf(q, k, &s); error.failure()) return error;
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(),
+              *pp = p.typed_data(), *gp = dout.typed_data();
+  ForEachPair(pool, s.pairs, [=](int64_t i) {
+    const int64_t qo = i * s.query_tokens * s.head_dim,
+                  ko = i * s.key_tokens * s.head_dim,
+                  po = i * s.query_tokens * s.padded_keys;
+    backward_pair(s, qp + qo, kp + ko, vp + ko, pp + po, gp + qo, dq + qo,
+                  dk + ko, dv + ko);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#endif  // VIT_JAX_KERNELS_CSRC_ATTENTION_CORE_H_
