@@ -7,6 +7,8 @@ r"""Two variants of vit_jax's train step, side by side in one process.
   python benchmarks/step_ab.py --a='{"matmul_dtype": "bfloat16"}' \
       --b='{"matmul_dtype": "bfloat16"}' --a_kernel_gradient=xla
   python benchmarks/step_ab.py --b_attention_core=elementwise
+  python benchmarks/step_ab.py --a='{"matmul_dtype": "bfloat16"}' \
+      --b='{"matmul_dtype": "bfloat16"}' --a_attention_core=float32_kernel
   python benchmarks/step_ab.py --b_free=kernel_gradients
   python benchmarks/step_ab.py --b='{"attention_implementation": "einsum"}'
   python benchmarks/step_ab.py \
@@ -31,7 +33,9 @@ weight gradient widened to float32 by XLA, as before it went to YNNPACK).
 logits product, the softmax and the weighted sum of values): "xla", the
 model's, or "elementwise", q * k + v in its place (`elementwise_core`), the
 projections and their gradients kept: what the step would take with a core
-that cost nothing, the most a faster attention kernel could win. A softmax
+that cost nothing, the most a faster attention kernel could win; or
+"float32_kernel", the C++ kernel's products in float32 even where the
+model's products are bfloat16 (`float32_attention_kernel`). A softmax
 other than "ours" and the elementwise core replace parts of the einsums,
 so they set attention_implementation to "einsum" unless the variant's
 fields name one (by default the model runs the C++ attention kernel on a
@@ -68,7 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import throughput  # this folder's: the worker's model, dims and batch
-from vit_jax.kernels import attention, matmuls
+from vit_jax.kernels import attention, cpu_attention, matmuls
 from vit_jax.model import vit
 from vit_jax.runtime import host, sharding
 from vit_jax.training import optim, steps
@@ -129,6 +133,23 @@ def elementwise_core():
     yield
   finally:
     jnp.einsum, attention.softmax = real_einsum, real_softmax
+    jax.clear_caches()
+
+
+@contextlib.contextmanager
+def float32_attention_kernel():
+  """While active (around tracing), the C++ attention kernel's products
+  stay float32 whatever the model's matmul_dtype (as before they took
+  bfloat16 operands with it)."""
+  real_core = cpu_attention.attention_core
+  jax.clear_caches()  # as in elementwise_core
+  cpu_attention.attention_core = (
+      lambda query, key, value, operand_dtype=None: real_core(query, key,
+                                                              value))
+  try:
+    yield
+  finally:
+    cpu_attention.attention_core = real_core
     jax.clear_caches()
 
 
@@ -197,7 +218,8 @@ _SOFTMAX = _define_per_variant("softmax", ["ours", "jax.nn"],
                                "attention softmax")
 _KERNEL_GRADIENT = _define_per_variant(
     "kernel_gradient", list(KERNEL_GRADIENTS), "Dense kernel gradients")
-_ATTENTION_CORE = _define_per_variant("attention_core", ["xla", "elementwise"],
+_ATTENTION_CORE = _define_per_variant("attention_core",
+                                      ["xla", "elementwise", "float32_kernel"],
                                       "attention core")
 _FREE = _define_per_variant(
     "free", ["none", "kernel_gradients", "gelu", "layer_norm"],
@@ -239,6 +261,8 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
   with contextlib.ExitStack() as patches:
     if attention_core == "elementwise":
       patches.enter_context(elementwise_core())
+    if attention_core == "float32_kernel":
+      patches.enter_context(float32_attention_kernel())
     patches.enter_context(free_part(free))
     lowered = step.trace(state, images, labels).lower()
   compiled = lowered.compile()

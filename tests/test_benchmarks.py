@@ -259,6 +259,31 @@ def test_step_ab_free_parts_take_out_only_their_part():
     assert program() == whole
 
 
+def test_step_ab_float32_attention_kernel_keeps_the_kernel_float32():
+  """step_ab's --a_attention_core=float32_kernel: a model with bfloat16
+  products traces the C++ kernel's float32 calls while it is active, its
+  bfloat16 ones before and after."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  step_ab = _benchmark_module("step_ab")
+  from vit_jax.kernels import cpu_attention  # pylint: disable=import-outside-toplevel
+  from vit_jax.model import vit  # pylint: disable=import-outside-toplevel
+  if cpu_attention.problem(jnp.float32, 16) is not None:
+    pytest.skip(f"no CPU attention kernel: {cpu_attention.problem(jnp.float32, 16)}")
+  model = vit.VisionTransformer(num_classes=3, patch_size=4, hidden_size=32,
+                                num_layers=1, num_heads=2, mlp_dim=32,
+                                matmul_dtype="bfloat16")
+  images = jnp.ones((2, 16, 16, 3))
+  params = model.init(jax.random.PRNGKey(0), images)["params"]
+  loss = lambda params: model.apply({"params": params}, images).sum()
+  program = lambda: jax.jit(jax.grad(loss)).lower(params).as_text()
+  assert "VitAttentionBackwardBf16" in program()
+  with step_ab.float32_attention_kernel():
+    float32 = program()
+    assert "Bf16" not in float32 and "VitAttentionBackward" in float32
+  assert "VitAttentionBackwardBf16" in program()
+
+
 def test_gpu_flags_jax_matmul_gradients_are_the_same_gradients():
   """gpu_flags' "JAX's matmul gradients": while active a ViT traces
   without vit_jax's custom backward passes and its gradients are the same

@@ -62,27 +62,28 @@ def _same(*avals):
   return [(aval.shape, aval.dtype) for aval in avals]
 
 
-# Each (batch, head) pair is independent: two batch axes.
 def _training_results(query, key, value):
+  """The training forward pass's output and probabilities."""
   del value
   return [(query.shape, query.dtype),
           (query.shape[:3] + (padded_keys(key.shape[2]),), query.dtype)]
 
 
+# Each (batch, head) pair is independent: two batch axes.
 _training = cpu_build.batch_partitionable(
     "VitAttentionForwardForTraining", _training_results, 2)
 _inference = cpu_build.batch_partitionable(
     "VitAttentionForwardForInference",
     lambda query, key, value: _same(query), 2)
-# With bfloat16 operands for the forward pass's two products (`attention_core`).
+_gradient = cpu_build.batch_partitionable(
+    "VitAttentionBackward",
+    lambda query, key, value, *_: _same(query, key, value), 2)
+# The same three with bfloat16 operands for the products (`attention_core`).
 _training_bf16 = cpu_build.batch_partitionable(
     "VitAttentionForwardForTrainingBf16", _training_results, 2)
 _inference_bf16 = cpu_build.batch_partitionable(
     "VitAttentionForwardForInferenceBf16",
     lambda query, key, value: _same(query), 2)
-_gradient = cpu_build.batch_partitionable(
-    "VitAttentionBackward",
-    lambda query, key, value, *_: _same(query, key, value), 2)
 _gradient_bf16 = cpu_build.batch_partitionable(
     "VitAttentionBackwardBf16",
     lambda query, key, value, *_: _same(query, key, value), 2)
