@@ -14,7 +14,7 @@ With the model's bfloat16 products (`config.model.matmul_dtype`) the
 kernel's products round their operands to bfloat16 too
 (`csrc/attention_bf16_cpu.cc`), as PyTorch's CPU autocast does for its
 attention: on a CPU with AMX they run as AMX tile products, and the
-ViT-Ti/16 @224 train step with bfloat16 products took 9.5% less time
+ViT-Ti/16 @224 train step with bfloat16 products took 9% less time
 (docs/performance.md, *bfloat16 on an AMX CPU*).
 
 The kernel is built on first use for this machine's CPU (`cpu_build`).

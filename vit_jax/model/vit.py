@@ -107,7 +107,7 @@ class VisionTransformer(nn.Module):
       LayerNorm, GELU) computes in `dtype`. For float32 training on CPUs
       with bfloat16 dot instructions (AVX512_BF16, AMX), jitted with
       `kernels.matmuls.xla_compiler_options(matmul_dtype)`: 1.1-1.2x faster
-      train steps on an AVX512_BF16 CPU, ~1.5x on an AMX one
+      train steps on an AVX512_BF16 CPU, 1.7x on an AMX one
       (docs/performance.md, *bfloat16 products on a CPU*); slower on CPUs
       without them.
     dtype: compute dtype (bfloat16 on GPU/TPU); logits are returned float32.

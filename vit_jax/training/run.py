@@ -169,7 +169,7 @@ def matmul_dtype_advice(matmul_dtype: Optional[str]) -> Optional[str]:
     return ("Note: this CPU has bfloat16 dot instructions (AVX512_BF16, "
             "AMX). --config.model.matmul_dtype=bfloat16 rounds the encoder's "
             "matmul operands to bfloat16 (float32 sums and activations) and "
-            "trained 1.15-1.43x faster on such CPUs, with the same accuracy "
+            "trained 1.15-1.7x faster on such CPUs, with the same accuracy "
             "on Fashion-MNIST (docs/performance.md, *bfloat16 products on a "
             "CPU*); float32 stays the default for its exact numerics.")
   return None
