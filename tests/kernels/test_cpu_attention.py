@@ -357,6 +357,30 @@ def test_one_pair_matches_double_precision_without_jax(tmp_path):
   assert all("tile=6x" in line for line in lines)
 
 
+@pytest.mark.skipif(
+    platform.machine() != "x86_64"
+    or "amx_bf16" not in open("/proc/cpuinfo").read(),
+    reason="the AMX passes run on an x86 CPU with AMX-BF16")
+def test_the_amx_passes_keep_the_threads_tiles_and_the_rounded_values(
+    tmp_path):
+  """tests/kernels/amx_tiles_check.cc, built for this CPU: the bfloat16
+  kernel's AMX forward and backward passes restore the tile configuration
+  another library left on the thread, and give the values of the path
+  without AMX (the same rounded operands) to 1e-4 of the largest."""
+  check = os.path.join(os.path.dirname(__file__), "amx_tiles_check.cc")
+  program = tmp_path / "amx_tiles_check"
+  subprocess.run(
+      [os.environ.get("CXX", "c++"), "-O3", "-ffp-contract=fast",
+       "-std=c++17", "-w", "-march=native", f"-I{jax.ffi.include_dir()}",
+       f"-I{cpu_build.SOURCES[0].parent}", check, "-o", str(program)],
+      check=True, capture_output=True)
+  result = subprocess.run([str(program)], capture_output=True, text=True,
+                          check=False, timeout=120)
+  lines = result.stdout.splitlines()
+  assert result.returncode == 0 and len(lines) == 4, result.stdout
+  assert all(line.startswith("ok ") for line in lines), result.stdout
+
+
 @needs_arm_tools
 def test_the_arm_build_matches_double_precision_under_qemu(tmp_path):
   """The same for aarch64 (NEON: 4-float vectors in 6 x 4 tiles, which no

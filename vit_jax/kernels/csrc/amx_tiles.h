@@ -31,17 +31,36 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Every tile 16 rows of 64 bytes: an accumulator of 16 x 16 floats, an A
-// operand of 16 rows of 32 bfloat16 values, a B operand of 16 rows of 16
-// pairs (two depth steps per 32-bit word).
-void ConfigureTiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = 16;
+// The tile configuration while a pair runs; the thread's own one comes back
+// after (a library on the same thread may keep its tiles configured between
+// its calls: YNNPACK runs XLA's bfloat16 dots on AMX). Every tile is 16 rows
+// of 64 bytes: an accumulator of 16 x 16 floats, an A operand of 16 rows of
+// 32 bfloat16 values, a B operand of 16 rows of 16 pairs (two depth steps
+// per 32-bit word).
+class ScopedTiles {
+ public:
+  ScopedTiles() {
+    _tile_storeconfig(&previous_);
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) {
+      config.bytes_per_row[t] = 64;
+      config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
   }
-  _tile_loadconfig(&config);
-}
+  ~ScopedTiles() {
+    if (previous_.palette != 0) {
+      _tile_loadconfig(&previous_);
+    } else {
+      _tile_release();
+    }
+  }
+  ScopedTiles(const ScopedTiles&) = delete;
+  ScopedTiles& operator=(const ScopedTiles&) = delete;
+
+ private:
+  TileConfig previous_;
+};
 
 // x (rows x columns floats, leading dimension ld) rounded into out (rows
 // of out_columns bfloat16 values, zero past columns; out_rows rows, zero

@@ -119,7 +119,7 @@ void ForwardPairAmx(const Shape& s, const float* q, const float* k,
   ToBfloat16Rows(tq, d, q, d, tqt, dd, reinterpret_cast<uint16_t*>(qw));
   PairColumns(tk, d, k, d, dd / 2, tkp, kw, krows);
   PairRows(tk, d, v, d, tkd / 2, vw);
-  ConfigureTiles();
+  const ScopedTiles tiles;
   TileProduct(tqt / 16, tkp / 16, dd, reinterpret_cast<uint16_t*>(qw), dd * 2,
               kw, tkp * 4, logits, tkp);
   Softmax(tq, tk, tkp, logits);
@@ -128,7 +128,6 @@ void ForwardPairAmx(const Shape& s, const float* q, const float* k,
                  reinterpret_cast<uint16_t*>(pw));
   TileProduct(tqt / 16, d / 16, tkd, reinterpret_cast<uint16_t*>(pw), tkd * 2,
               vw, d * 4, out, d);
-  _tile_release();
   std::memcpy(o, out, tq * d * sizeof(float));
 }
 
@@ -155,7 +154,7 @@ void BackwardPairAmx(const Shape& s, const float* q, const float* k,
   float* ds = reinterpret_cast<float*>(scratch + sn);
   float* product = ds + tqt * tkp;
   uint16_t* a16 = reinterpret_cast<uint16_t*>(a);
-  ConfigureTiles();
+  const ScopedTiles tiles;
   // dV = (dO^T P)^T: of the two operands contracted over their rows, the
   // narrower one (dO, not P) is the one transposed.
   ToBfloat16Transposed(tq, d, dout, d, d, tqd, a16,
@@ -181,7 +180,6 @@ void BackwardPairAmx(const Shape& s, const float* q, const float* k,
   TileProduct(d / 16, tkp / 16, tqd, a16, tqd * 2, b, tkp * 4, product, tkp);
   for (int64_t n = 0; n < tk; ++n)
     for (int64_t c = 0; c < d; ++c) dk[n * d + c] = product[c * tkp + n];
-  _tile_release();
 }
 
 void ForwardPairBf16(const Shape& s, const float* q, const float* k,
