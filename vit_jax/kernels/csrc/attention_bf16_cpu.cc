@@ -36,6 +36,11 @@ inline float FromBfloat16(uint16_t x) {
   return result;
 }
 
+// out[i] = x[i] rounded to bfloat16 and widened back (out may be x).
+void Round(int64_t n, const float* x, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = FromBfloat16(ToBfloat16(x[i]));
+}
+
 // The rounded operands widened back to float32, through the float32
 // products: the values of ForwardPairAmx without AMX.
 void ForwardPairRounded(const Shape& s, const float* q, const float* k,
@@ -51,16 +56,13 @@ void ForwardPairRounded(const Shape& s, const float* q, const float* k,
   float* kt = vr + tk * d;
   float* pr = kt + d * tkp;
   if (p == nullptr) p = pr + tq * tkp;
-  auto round = [](int64_t n, const float* x, float* out) {
-    for (int64_t i = 0; i < n; ++i) out[i] = FromBfloat16(ToBfloat16(x[i]));
-  };
-  round(tq * d, q, qr);
-  round(tk * d, k, kr);
-  round(tk * d, v, vr);
+  Round(tq * d, q, qr);
+  Round(tk * d, k, kr);
+  Round(tk * d, v, vr);
   Transpose(tk, d, kr, tkp, kt);
   Product(tq, tkp, d, qr, d, 1, kt, tkp, p, tkp);
   Softmax(tq, tk, tkp, p);
-  round(tq * tkp, p, pr);
+  Round(tq * tkp, p, pr);
   Product(tq, d, tk, pr, tkp, 1, vr, d, o, d);
 }
 
@@ -81,19 +83,16 @@ void BackwardPairRounded(const Shape& s, const float* q, const float* k,
   float* pr = vr + tk * d;
   float* ds = pr + tq * tkp;
   float* vt = ds + tq * tkp;
-  auto round = [](int64_t n, const float* x, float* out) {
-    for (int64_t i = 0; i < n; ++i) out[i] = FromBfloat16(ToBfloat16(x[i]));
-  };
-  round(tq * d, q, qr);
-  round(tq * d, dout, gr);
-  round(tk * d, k, kr);
-  round(tk * d, v, vr);
-  round(tq * tkp, p, pr);
+  Round(tq * d, q, qr);
+  Round(tq * d, dout, gr);
+  Round(tk * d, k, kr);
+  Round(tk * d, v, vr);
+  Round(tq * tkp, p, pr);
   Product(tk, d, tq, pr, 1, tkp, gr, d, dv, d);  // dV = P^T dO
   Transpose(tk, d, vr, tkp, vt);
   Product(tq, tkp, d, gr, d, 1, vt, tkp, ds, tkp);  // dP = dO V^T
   SoftmaxGradient(tq, tkp, p, ds);
-  round(tq * tkp, ds, ds);
+  Round(tq * tkp, ds, ds);
   Product(tq, d, tk, ds, tkp, 1, kr, d, dq, d);  // dQ = dS K
   Product(tk, d, tq, ds, 1, tkp, qr, d, dk, d);  // dK = dS^T Q
 }
