@@ -35,7 +35,8 @@ from jax.interpreters import batching, mlir
 _CSRC = pathlib.Path(__file__).parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in (
     "attention_cpu.cc", "attention_bf16_cpu.cc", "transpose_cpu.cc"))
-HEADERS = tuple(_CSRC / name for name in ("attention_core.h", "amx_tiles.h"))
+HEADERS = tuple(_CSRC / name for name in (
+    "attention_core.h", "attention_handlers.h", "amx_tiles.h"))
 _FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC",
           "-w")
 # The instruction set the kernels are compiled for: this CPU's by default;

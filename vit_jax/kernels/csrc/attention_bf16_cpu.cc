@@ -12,7 +12,7 @@
 // instruction is no help: on an AMX Xeon it ran at half the rate of
 // float32 FMAs, docs/performance.md.)
 
-#include "attention_core.h"
+#include "attention_handlers.h"
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__)
 #include "amx_tiles.h"
 #endif
@@ -212,63 +212,6 @@ void BackwardPairBf16(const Shape& s, const float* q, const float* k,
 }
 #endif
 
-ffi::Error ForwardForTrainingBf16(ffi::ThreadPool pool,
-                                  ffi::Buffer<ffi::F32> q,
-                                  ffi::Buffer<ffi::F32> k,
-                                  ffi::Buffer<ffi::F32> v,
-                                  ffi::ResultBuffer<ffi::F32> o,
-                                  ffi::ResultBuffer<ffi::F32> p) {
-  return Forward(pool, q, k, v, o->typed_data(), p->typed_data(),
-                 ForwardPairBf16);
-}
-
-ffi::Error ForwardForInferenceBf16(ffi::ThreadPool pool,
-                                   ffi::Buffer<ffi::F32> q,
-                                   ffi::Buffer<ffi::F32> k,
-                                   ffi::Buffer<ffi::F32> v,
-                                   ffi::ResultBuffer<ffi::F32> o) {
-  return Forward(pool, q, k, v, o->typed_data(), nullptr, ForwardPairBf16);
-}
-
-ffi::Error BackwardBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                        ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                        ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> dout,
-                        ffi::ResultBuffer<ffi::F32> dq,
-                        ffi::ResultBuffer<ffi::F32> dk,
-                        ffi::ResultBuffer<ffi::F32> dv) {
-  return Backward(pool, q, k, v, p, dout, dq->typed_data(), dk->typed_data(),
-                  dv->typed_data(), BackwardPairBf16);
-}
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(VitAttentionForwardForTrainingBf16,
-                              ForwardForTrainingBf16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(VitAttentionForwardForInferenceBf16,
-                              ForwardForInferenceBf16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(VitAttentionBackwardBf16, BackwardBf16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+VIT_ATTENTION_HANDLERS(Bf16, ForwardPairBf16, BackwardPairBf16);

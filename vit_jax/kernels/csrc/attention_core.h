@@ -1,20 +1,16 @@
 // What the attention kernels (attention_cpu.cc in float32,
-// attention_bf16_cpu.cc with bfloat16 operands) share: the register-tiled
-// float32 products, the softmax and its gradient, the pairs' shape and the
-// loop that runs every pair on XLA's threads. Internal to those files (its
-// definitions are in an unnamed namespace).
+// attention_bf16_cpu.cc with bfloat16 operands) share for one pair: the
+// register-tiled float32 products, the softmax and its gradient, the pairs'
+// shape. Internal to those files (its definitions are in an unnamed
+// namespace); attention_handlers.h runs pairs as XLA FFI handlers.
 
 #ifndef VIT_JAX_KERNELS_CSRC_ATTENTION_CORE_H_
 #define VIT_JAX_KERNELS_CSRC_ATTENTION_CORE_H_
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -195,95 +191,6 @@ std::vector<float>& Scratch(size_t size) {
   thread_local std::vector<float> scratch;
   if (scratch.size() < size) scratch.resize(size);
   return scratch;
-}
-
-// Runs work(pair) for every pair, on the calling thread and up to
-// num_threads - 1 of XLA's intra-op threads. Pairs are claimed from a shared
-// counter, so a helper that starts late finds nothing and nobody waits on a
-// task that never ran.
-template <typename Work>
-void ForEachPair(ffi::ThreadPool& pool, int64_t pairs, Work work) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mutex;
-    std::condition_variable finished;
-  };
-  auto state = std::make_shared<State>();
-  auto run = [state, pairs, work]() {
-    for (int64_t i; (i = state->next.fetch_add(1)) < pairs;) {
-      work(i);
-      if (state->done.fetch_add(1) + 1 == pairs) {
-        std::lock_guard<std::mutex> lock(state->mutex);
-        state->finished.notify_all();
-      }
-    }
-  };
-  const int64_t helpers =
-      std::min<int64_t>(pool.num_threads(), pairs) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(run)(run));
-  run();
-  std::unique_lock<std::mutex> lock(state->mutex);
-  state->finished.wait(lock, [&] { return state->done.load() == pairs; });
-}
-
-ffi::Error ShapeOf(const ffi::Buffer<ffi::F32>& q,
-                   const ffi::Buffer<ffi::F32>& k, Shape* shape) {
-  auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || qd[0] != kd[0] || qd[1] != kd[1] ||
-      qd[3] != kd[3] || qd[3] % kPad != 0)
-    return ffi::Error::InvalidArgument(
-        "vit_jax attention kernel: q must be (B, H, Tq, D) and k, v "
-        "(B, H, Tk, D) with D a multiple of 16");
-  *shape = Shape{qd[0] * qd[1], qd[2], kd[2], RoundUp(kd[2]), qd[3]};
-  return ffi::Error::Success();
-}
-
-// A pair's forward pass: (shape, q, k, v) -> o and, unless p is null, the
-// probabilities.
-typedef void (*ForwardPairFunction)(const Shape&, const float*, const float*,
-                                    const float*, float*, float*);
-// A pair's backward pass: (shape, q, k, v, p, dO) -> dQ, dK, dV.
-typedef void (*BackwardPairFunction)(const Shape&, const float*, const float*,
-                                     const float*, const float*, const float*,
-                                     float*, float*, float*);
-
-// The forward pass of every pair. p is null for inference: the
-// probabilities then stay in scratch.
-ffi::Error Forward(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& q,
-                   const ffi::Buffer<ffi::F32>& k,
-                   const ffi::Buffer<ffi::F32>& v, float* o, float* p,
-                   ForwardPairFunction forward_pair) {
-  Shape s;
-  if (ffi::Error error = ShapeOf(q, k, &s); error.failure()) return error;
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  ForEachPair(pool, s.pairs, [=](int64_t i) {
-    const int64_t qo = i * s.query_tokens * s.head_dim,
-                  ko = i * s.key_tokens * s.head_dim;
-    forward_pair(s, qp + qo, kp + ko, vp + ko, o + qo,
-                 p ? p + i * s.query_tokens * s.padded_keys : nullptr);
-  });
-  return ffi::Error::Success();
-}
-
-// The backward pass of every pair.
-ffi::Error Backward(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& q,
-                    const ffi::Buffer<ffi::F32>& k,
-                    const ffi::Buffer<ffi::F32>& v,
-                    const ffi::Buffer<ffi::F32>& p,
-                    const ffi::Buffer<ffi::F32>& dout, float* dq, float* dk,
-                    float* dv, BackwardPairFunction backward_pair) {
-  Shape s;
-  if (ffi::Error error = ShapeOf(q, k, &s); error.failure()) return error;
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(),
-              *pp = p.typed_data(), *gp = dout.typed_data();
-  ForEachPair(pool, s.pairs, [=](int64_t i) {
-    const int64_t qo = i * s.query_tokens * s.head_dim,
-                  ko = i * s.key_tokens * s.head_dim,
-                  po = i * s.query_tokens * s.padded_keys;
-    backward_pair(s, qp + qo, kp + ko, vp + ko, pp + po, gp + qo, dq + qo,
-                  dk + ko, dv + ko);
-  });
-  return ffi::Error::Success();
 }
 
 }  // namespace

@@ -15,7 +15,7 @@
 // once. The pieces shared with attention_bf16_cpu.cc are in
 // attention_core.h.
 
-#include "attention_core.h"
+#include "attention_handlers.h"
 
 namespace {
 
@@ -48,59 +48,6 @@ void BackwardPair(const Shape& s, const float* q, const float* k,
   Product(tk, d, tq, ds, 1, tkp, q, d, dk, d);  // dK = dS^T Q
 }
 
-ffi::Error ForwardForTraining(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                              ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                              ffi::ResultBuffer<ffi::F32> o,
-                              ffi::ResultBuffer<ffi::F32> p) {
-  return Forward(pool, q, k, v, o->typed_data(), p->typed_data(), ForwardPair);
-}
-
-ffi::Error ForwardForInference(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                               ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                               ffi::ResultBuffer<ffi::F32> o) {
-  return Forward(pool, q, k, v, o->typed_data(), nullptr, ForwardPair);
-}
-
-ffi::Error BackwardForTraining(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                               ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                               ffi::Buffer<ffi::F32> p,
-                               ffi::Buffer<ffi::F32> dout,
-                               ffi::ResultBuffer<ffi::F32> dq,
-                               ffi::ResultBuffer<ffi::F32> dk,
-                               ffi::ResultBuffer<ffi::F32> dv) {
-  return Backward(pool, q, k, v, p, dout, dq->typed_data(), dk->typed_data(),
-                  dv->typed_data(), BackwardPair);
-}
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(VitAttentionForwardForTraining,
-                              ForwardForTraining,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(VitAttentionForwardForInference,
-                              ForwardForInference,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(VitAttentionBackward, BackwardForTraining,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+VIT_ATTENTION_HANDLERS(, ForwardPair, BackwardPair);
