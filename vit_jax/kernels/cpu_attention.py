@@ -69,35 +69,33 @@ def _training_results(query, key, value):
           (query.shape[:3] + (padded_keys(key.shape[2]),), query.dtype)]
 
 
-# Each (batch, head) pair is independent: two batch axes.
-_training = cpu_build.batch_partitionable(
-    "VitAttentionForwardForTraining", _training_results, 2)
-_inference = cpu_build.batch_partitionable(
-    "VitAttentionForwardForInference",
-    lambda query, key, value: _same(query), 2)
-_gradient = cpu_build.batch_partitionable(
-    "VitAttentionBackward",
-    lambda query, key, value, *_: _same(query, key, value), 2)
-# The same three with bfloat16 operands for the products (`attention_core`).
-_training_bf16 = cpu_build.batch_partitionable(
-    "VitAttentionForwardForTrainingBf16", _training_results, 2)
-_inference_bf16 = cpu_build.batch_partitionable(
-    "VitAttentionForwardForInferenceBf16",
-    lambda query, key, value: _same(query), 2)
-_gradient_bf16 = cpu_build.batch_partitionable(
-    "VitAttentionBackwardBf16",
-    lambda query, key, value, *_: _same(query, key, value), 2)
+def _primitives(suffix: str) -> tuple:
+  """(inference, training, gradient) primitives of the kernel's handlers
+  named with suffix ("" float32, "Bf16" bfloat16 operands). Each (batch,
+  head) pair is independent: two batch axes."""
+  return (
+      cpu_build.batch_partitionable(
+          f"VitAttentionForwardForInference{suffix}",
+          lambda query, key, value: _same(query), 2),
+      cpu_build.batch_partitionable(
+          f"VitAttentionForwardForTraining{suffix}", _training_results, 2),
+      cpu_build.batch_partitionable(
+          f"VitAttentionBackward{suffix}",
+          lambda query, key, value, *_: _same(query, key, value), 2))
+
+
+_FLOAT32, _BFLOAT16 = _primitives(""), _primitives("Bf16")
 
 
 def _kernels(operand_dtype: Any):
   """(inference, training, gradient) primitives: float32 products, or
   bfloat16 operands with float32 sums."""
   if operand_dtype is None:
-    return _inference, _training, _gradient
+    return _FLOAT32
   if jnp.dtype(operand_dtype) != jnp.bfloat16:
     raise ValueError(f"the attention kernel's products take bfloat16 "
                      f"operands or float32 ones, not {operand_dtype}")
-  return _inference_bf16, _training_bf16, _gradient_bf16
+  return _BFLOAT16
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
