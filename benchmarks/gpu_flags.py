@@ -91,20 +91,24 @@ VARIANTS = {
 
 
 def _jax_dense_dot_general(inputs, kernel, dimension_numbers, precision=None,
-                           preferred_element_type=None, operand_dtype=None):
-  """`matmuls.dense_dot_general` without its backward pass."""
+                           preferred_element_type=None, operand_dtype=None,
+                           implementation="xla"):
+  """`matmuls.dense_dot_general` without its backward pass (and with XLA's
+  products wherever it runs)."""
+  del implementation
   assert operand_dtype is None, "a GPU step computes in its dtype"
   return jax.lax.dot_general(inputs, kernel, dimension_numbers,
                              precision=precision,
                              preferred_element_type=preferred_element_type)
 
 
-def _jax_gelu_dot_general(approximate=True, operand_dtype=None):
+def _jax_gelu_dot_general(approximate=True, operand_dtype=None,
+                          implementation="xla"):
   """`matmuls.gelu_dot_general` without its backward pass."""
   def dot_general(inputs, kernel, *args, **kwargs):
     return _jax_dense_dot_general(nn.gelu(inputs, approximate=approximate),
                                   kernel, *args, operand_dtype=operand_dtype,
-                                  **kwargs)
+                                  implementation=implementation, **kwargs)
   return dot_general
 
 

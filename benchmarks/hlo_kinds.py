@@ -3,10 +3,10 @@
 `python benchmarks/cpu_profile.py` times the thunks of vit_jax's train
 step (one per instruction of the program's entry computation); this reads
 the program's HLO text (`compiled.as_text()`) to say which kind each one
-is: which of a Dense layer's three products a dot is, the attention
-kernel, the all-reduce, a copy, or an elementwise fusion by the model
-scope (LayerNorm, MLP, attention) or training scope (optimizer) in its
-op_name.
+is: which of a Dense layer's three products a dot (or a oneDNN product's
+custom call) is, the attention kernel, the all-reduce, a copy, or an
+elementwise fusion by the model scope (LayerNorm, MLP, attention) or
+training scope (optimizer) in its op_name.
 """
 
 import collections
@@ -118,6 +118,19 @@ def dot_flops(dot: Instruction, module: HloModule) -> float:
   return 2.0 * math.prod(dims(dot.shape)) * contracted
 
 
+# vit_jax's oneDNN products (kernels/cpu_gemm.py): the Dense product each
+# target computes, and the axis of its first operand that it contracts.
+_GEMM_TARGETS = {"VitGemm": (DENSE_KINDS[0], 2),
+                 "VitGemmTransposedRight": (DENSE_KINDS[1], 2),
+                 "VitGemmOverRows": (DENSE_KINDS[2], 1)}
+
+
+def gemm_flops(call: Instruction, module: HloModule, target: str) -> float:
+  """2 x output elements x contracted length of a oneDNN product's call."""
+  first = dims(module.instructions[call.operands[0]].shape)
+  return 2.0 * math.prod(dims(call.shape)) * first[_GEMM_TARGETS[target][1]]
+
+
 def _fused(instruction: Instruction, module: HloModule) -> list[Instruction]:
   """The instructions a fusion's computation runs (nested fusions too)."""
   inner = module.computations.get(instruction.calls, []) if (
@@ -210,6 +223,8 @@ def classify(instruction: Instruction, module: HloModule,
       return "attention kernel (C++)", 0.0
     if target == "VitTransposeToBfloat16":  # matmuls' bf16 weight gradients
       return "bfloat16 transposes (C++)", 0.0
+    if target in _GEMM_TARGETS:
+      return _GEMM_TARGETS[target][0], gemm_flops(instruction, module, target)
     return "other custom calls", 0.0
   if instruction.opcode in _COLLECTIVES:
     return "all-reduce (waiting included)", 0.0

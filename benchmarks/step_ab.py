@@ -11,6 +11,7 @@ r"""Two variants of vit_jax's train step, side by side in one process.
       --b='{"matmul_dtype": "bfloat16"}' --a_attention_core=float32_kernel
   python benchmarks/step_ab.py --b_free=kernel_gradients
   python benchmarks/step_ab.py --b='{"attention_implementation": "einsum"}'
+  python benchmarks/step_ab.py --a='{"matmul_implementation": "xla"}'
   python benchmarks/step_ab.py \
       --b_xla_options='{"xla_cpu_prefer_vector_width": 512}'
 
@@ -40,6 +41,10 @@ other than "ours" and the elementwise core replace parts of the einsums,
 so they set attention_implementation to "einsum" unless the variant's
 fields name one (by default the model runs the C++ attention kernel on a
 CPU: `--b='{"attention_implementation": "einsum"}'` compares the two).
+A kernel gradient other than "ours" and the free kernel gradients replace
+XLA's products, so they set matmul_implementation to "xla" unless the
+variant's fields name one (by default the model runs float32 products on
+a CPU in oneDNN: `--a='{"matmul_implementation": "xla"}'` compares).
 --a_xla_options / --b_xla_options add XLA options (a JSON dict) to the
 variant's program, over those the model's matmul_dtype asks for
 (`matmuls.xla_compiler_options`). --a_free / --b_free make one part of
@@ -248,6 +253,10 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
     # Both replace parts of the einsums, which "auto" skips on a CPU with
     # the C++ kernel.
     fields = dict({"attention_implementation": "einsum"}, **fields)
+  if kernel_gradient != "ours" or free == "kernel_gradients":
+    # Both replace XLA's weight-gradient products, which "auto" replaces
+    # with oneDNN's on a CPU where it loads.
+    fields = dict({"matmul_implementation": "xla"}, **fields)
   model = vit.VisionTransformer(num_classes=throughput.NUM_CLASSES,
                                    patch_size=patch,
                                    **dict(throughput.DIMS, **fields))

@@ -197,18 +197,19 @@ class JaxStep:
       jax.block_until_ready(self.compiled(self.params, self.images))
 
   def xla_flops(self) -> float:
-    """XLA's FLOP count for the whole batch, of the einsums' program: the
-    compiled one's would be one device's share (within 1% of this on one
-    device), and XLA counts nothing inside the CPU attention kernel."""
+    """XLA's FLOP count for the whole batch, of the program in XLA's own
+    operations (the einsums' attention, XLA's dots): the compiled one's
+    would be one device's share (within 1% of this on one device), and XLA
+    counts nothing inside the CPU kernels' custom calls."""
     import jax
     from vit_jax.inspection import introspect
-    einsum_model = introspect.einsum_attention(self.model)
+    countable_model = introspect.xla_operations_only(self.model)
     if self.mode == "train":
       traced = jit_train_step().trace(
-          self.state.replace(apply_fn=einsum_model.apply), self.images,
+          self.state.replace(apply_fn=countable_model.apply), self.images,
           self.labels)
     else:
-      traced = jax.jit(lambda params, images: einsum_model.apply(
+      traced = jax.jit(lambda params, images: countable_model.apply(
           {"params": params}, preprocess(images, None))).trace(
               self.params, self.images)
     return (traced.lower().cost_analysis() or {}).get("flops", float("nan"))

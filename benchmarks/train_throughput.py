@@ -73,7 +73,7 @@ def main(_):
   # XLA's count for the whole batch: the compiled program's would be one
   # device's share (within 1% of this on one device). Of the einsums'
   # program: XLA counts nothing inside the CPU attention kernel.
-  counted = state.replace(apply_fn=introspect.einsum_attention(model).apply)
+  counted = state.replace(apply_fn=introspect.xla_operations_only(model).apply)
   flops = (step_for(counted).lower(counted, *fixed).cost_analysis()
            or {}).get("flops", float("nan"))
   state, metrics = compiled(state, *fixed)  # first run: allocation, warm-up

@@ -230,8 +230,11 @@ def test_step_ab_free_parts_take_out_only_their_part():
   step_ab = _benchmark_module("step_ab")
   from vit_jax.kernels import matmuls  # pylint: disable=import-outside-toplevel
   from vit_jax.model import vit  # pylint: disable=import-outside-toplevel
+  # XLA's products: the ones whose kernel gradients step_ab can replace
+  # (it runs such variants so).
   model = vit.VisionTransformer(num_classes=3, patch_size=4, hidden_size=16,
-                                num_layers=1, num_heads=1, mlp_dim=32)
+                                num_layers=1, num_heads=1, mlp_dim=32,
+                                matmul_implementation="xla")
   images = jnp.ones((2, 16, 16, 3))
   shapes = lambda: jax.tree.map(jnp.shape, model.init(
       jax.random.PRNGKey(0), images)["params"])
@@ -585,7 +588,8 @@ def test_cpu_profile_tells_each_thunk_kind_apart():
   (a YNNPACK fusion), the input gradient (it reads the weights through a
   transposing copy), the weight gradient (two activations), the kernel,
   the all-reduce, the copy, a reduce-window XLA made without a scope (its
-  reader's, LayerNorm) and the optimizer's update; FLOPs 2 x m x n x k."""
+  reader's, LayerNorm), the optimizer's update, and oneDNN's three products
+  by their custom calls; FLOPs 2 x m x n x k."""
   hlo_kinds = _benchmark_module("hlo_kinds")
   module = hlo_kinds.parse_hlo(_TINY_HLO)
   consumers = hlo_kinds.thunk_consumers(module)
@@ -605,6 +609,20 @@ def test_cpu_profile_tells_each_thunk_kind_apart():
       'custom_call_target="VitTransposeToBfloat16"', False, -1)
   assert hlo_kinds.classify(transpose, module) == (
       "bfloat16 transposes (C++)", 0.0)
+  # oneDNN's products (kernels/cpu_gemm.py): one group of the 8 rows.
+  for name, shape in (("x", "f32[1,8,4]"), ("dy", "f32[1,8,6]")):
+    module.instructions[name] = hlo_kinds.Instruction(
+        name, shape + "{2,1,0}", "bitcast", (), "", False, -1)
+  for target, operands, shape, product in (
+      ("VitGemm", ("x", "p0"), "f32[1,8,6]", "x.W (forward)"),
+      ("VitGemmTransposedRight", ("dy", "p0"), "f32[1,8,4]",
+       "dy.W^T (input gradients)"),
+      ("VitGemmOverRows", ("x", "dy"), "f32[1,4,6]",
+       "x^T.dy (weight gradients)")):
+    call = hlo_kinds.Instruction(
+        "custom-call.3", shape + "{2,1,0}", "custom-call", operands,
+        f'custom_call_target="{target}"', False, -1)
+    assert hlo_kinds.classify(call, module) == (product, 2 * 8 * 4 * 6)
   assert kind("all-reduce.1")[0] == "all-reduce (waiting included)"
   assert kind("transpose_copy_fusion")[0] == "copies and transposes"
   assert kind("wrapped_reduce-window")[0] == "LayerNorm"

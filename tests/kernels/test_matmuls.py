@@ -112,8 +112,9 @@ def test_dense_dot_general_keeps_dtypes_and_falls_back():
 def test_mlp_kernel_gradients_have_the_narrow_side_as_rows():
   """In the compiled gradient of an MlpBlock (64 -> 256 -> 64) the first
   kernel's gradient is a (64, 256) product, not JAX's (256, 64) one, and
-  the gradients equal those of Dense -> GELU -> Dense."""
-  mlp = blocks.MlpBlock(mlp_dim=256)
+  the gradients equal those of Dense -> GELU -> Dense. (XLA's products:
+  oneDNN's take the rows as they are, test_cpu_gemm.py.)"""
+  mlp = blocks.MlpBlock(mlp_dim=256, matmul_implementation="xla")
   x = jax.random.normal(jax.random.PRNGKey(0), (300, 64))
   params = mlp.init(jax.random.PRNGKey(1), x, deterministic=True)
 

@@ -14,6 +14,7 @@ import ml_collections
 from vit_jax.checkpoints import pretrained
 from vit_jax.config import derived
 from vit_jax.data import augment, file_sources, image_folder, tfds_source
+from vit_jax.kernels import matmuls
 from vit_jax.model import vit
 from vit_jax.runtime import sharding
 from vit_jax.training import optim
@@ -147,6 +148,11 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
         f"config.model.matmul_dtype={model.matmul_dtype!r} is not supported: "
         "set 'bfloat16' (bfloat16 operands, float32 accumulation) or leave "
         "it unset (the matmuls compute in config.model.dtype).")
+  if model.matmul_implementation not in matmuls.IMPLEMENTATIONS:
+    raise ValueError(
+        f"config.model.matmul_implementation={model.matmul_implementation!r} "
+        f"is not one of {matmuls.IMPLEMENTATIONS}: 'auto' (oneDNN's products "
+        "for float32 on a CPU, XLA's elsewhere), 'onednn' or 'xla'.")
 
 
 def _validate_file_data(config: ml_collections.ConfigDict) -> None:

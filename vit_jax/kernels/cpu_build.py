@@ -2,7 +2,8 @@
 
 The kernels (`csrc/*.cc`: the attention core in float32 and with bfloat16
 operands, `cpu_attention.py`; the bfloat16 transpose, `cpu_transpose.py`;
-the headers they share) are XLA FFI handlers in one shared
+the Dense layers' products through oneDNN, `cpu_gemm.py`; the headers they
+share) are XLA FFI handlers in one shared
 library, compiled from source with the system's C++ compiler (`$CXX`, else
 `c++`) the first time one is needed on a machine, for that machine's CPU
 (-march=native on x86, -mcpu=native on Arm), and cached under
@@ -34,9 +35,11 @@ from jax.interpreters import batching, mlir
 
 _CSRC = pathlib.Path(__file__).parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in (
-    "attention_cpu.cc", "attention_bf16_cpu.cc", "transpose_cpu.cc"))
+    "attention_cpu.cc", "attention_bf16_cpu.cc", "transpose_cpu.cc",
+    "gemm_cpu.cc"))
 HEADERS = tuple(_CSRC / name for name in (
-    "attention_core.h", "attention_handlers.h", "amx_tiles.h"))
+    "attention_core.h", "attention_handlers.h", "amx_tiles.h",
+    "parallel_tasks.h"))
 _FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC",
           "-w")
 # The instruction set the kernels are compiled for: this CPU's by default;
@@ -48,7 +51,8 @@ TARGETS = ("VitAttentionForwardForTraining", "VitAttentionForwardForInference",
            "VitAttentionForwardForTrainingBf16",
            "VitAttentionForwardForInferenceBf16",
            "VitAttentionBackward", "VitAttentionBackwardBf16",
-           "VitTransposeToBfloat16")
+           "VitTransposeToBfloat16", "VitGemm", "VitGemmTransposedRight",
+           "VitGemmOverRows")
 
 
 def cache_dir() -> pathlib.Path:
@@ -138,15 +142,24 @@ def _compile(compiler: str, flags: tuple[str, ...],
 
 
 @functools.cache
+def library() -> ctypes.CDLL:
+  """The kernels' library, built, loaded and its handlers registered once
+  per process. Raises RuntimeError, OSError or AttributeError if it cannot
+  be: `load` says so without raising."""
+  loaded = ctypes.cdll.LoadLibrary(str(build()))
+  for target in TARGETS:
+    jax.ffi.register_ffi_target(
+        target, jax.ffi.pycapsule(getattr(loaded, target)), platform="cpu")
+    jax.ffi.register_ffi_target_as_batch_partitionable(target)
+  return loaded
+
+
+@functools.cache
 def load() -> Optional[str]:
   """Builds and registers the kernels once per process; the problem, or
   None when they are ready."""
   try:
-    library = ctypes.cdll.LoadLibrary(str(build()))
-    for target in TARGETS:
-      jax.ffi.register_ffi_target(
-          target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
-      jax.ffi.register_ffi_target_as_batch_partitionable(target)
+    library()
   except (RuntimeError, OSError, AttributeError) as error:
     logging.warning("vit_jax: the C++ CPU kernels are unavailable, XLA's "
                     "own operations run instead: %s", error)
@@ -167,7 +180,8 @@ def batch_partitionable(target: str, results: Callable, num_batch_dims: int
                         ) -> core.Primitive:
   """A primitive calling `target`; results(*operand avals) gives its
   result (shape, dtype) pairs. Every operand and result shares its first
-  num_batch_dims axes (the batch axes).
+  num_batch_dims axes (the batch axes). Keyword arguments of `bind` (ints)
+  are the handler's attributes.
 
   Its custom call is declared batch-partitionable over those axes, with the
   other axes whole: a Shardy sharding rule and the `num_batch_dims`
@@ -178,21 +192,29 @@ def batch_partitionable(target: str, results: Callable, num_batch_dims: int
   """
   primitive = core.Primitive(target)
   primitive.multiple_results = True
-  # Outside jit: compiled on its own, as jnp's operations are.
-  primitive.def_impl(jax.jit(lambda *operands: primitive.bind(*operands)))
-  primitive.def_abstract_eval(lambda *avals: [
+
+  # Outside jit: compiled on its own (once per set of attributes), as jnp's
+  # operations are.
+  @functools.cache
+  def compiled(attributes: tuple) -> Callable:
+    return jax.jit(lambda *operands: primitive.bind(*operands,
+                                                    **dict(attributes)))
+
+  primitive.def_impl(lambda *operands, **attributes: compiled(
+      tuple(sorted(attributes.items())))(*operands))
+  primitive.def_abstract_eval(lambda *avals, **_: [
       jax.core.ShapedArray(shape, dtype) for shape, dtype in results(*avals)])
 
-  def lowering(ctx, *operands):
+  def lowering(ctx, *operands, **handler_attributes):
     attributes = {"mhlo.frontend_attributes": mlir.ir.DictAttr.get(
         {"num_batch_dims": mlir.ir.StringAttr.get(str(num_batch_dims))})}
     if jax.config.jax_use_shardy_partitioner:
       attributes["sdy.sharding_rule"] = mlir.ir.Attribute.parse(
           _sharding_rule(ctx.avals_in, ctx.avals_out, num_batch_dims))
     return jax.ffi.ffi_lowering(target, extra_attributes=attributes)(
-        ctx, *operands)
+        ctx, *operands, **handler_attributes)
 
-  def batch_rule(operands, axes):
+  def batch_rule(operands, axes, **handler_attributes):
     # Under jax.vmap the mapped axis joins the first batch axis: one call.
     size = next(operand.shape[axis] for operand, axis in zip(operands, axes)
                 if axis is not None)
@@ -202,7 +224,7 @@ def batch_partitionable(target: str, results: Callable, num_batch_dims: int
                  if axis is None  # not mapped
                  else jnp.moveaxis(operand, axis, 0))
       merged.append(operand.reshape(-1, *operand.shape[2:]))
-    results = primitive.bind(*merged)
+    results = primitive.bind(*merged, **handler_attributes)
     return ([result.reshape(size, -1, *result.shape[1:])
              for result in results], [0] * len(results))
 

@@ -21,6 +21,10 @@ instructions (AVX512_BF16, AMX) run at two to three times their float32
 rate, through YNNPACK, which `xla_compiler_options` turns on for such
 programs; the weight gradient reaches YNNPACK through a transposed copy
 made by a C++ kernel (`_ynnpack_kernel_gradient`).
+
+With `implementation="onednn"` (float32 products on a CPU, which
+`resolve_implementation` picks for "auto") the layer's three products run
+through oneDNN's sgemm (`cpu_gemm`), on rows in groups (`per_token`).
 """
 
 import functools
@@ -32,10 +36,42 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vit_jax.kernels import cpu_build, cpu_transpose
+from vit_jax.kernels import cpu_build, cpu_gemm, cpu_transpose
 from vit_jax.runtime import host
 
 _OVER_ROWS = (((0,), (0,)), ((), ()))  # contract the first axes: a^T b
+
+# The Dense products' implementations (`VisionTransformer`'s
+# matmul_implementation): "auto" resolves to one of the others.
+IMPLEMENTATIONS = ("auto", "onednn", "xla")
+
+
+def resolve_implementation(requested: str, dtype: Any,
+                           operand_dtype: Any = None,
+                           device: Any = None) -> str:
+  """The Dense products' implementation, "onednn" or "xla", for products
+  computing in `dtype` with `operand_dtype` (None or bfloat16) on `device`
+  (default: JAX's first). "auto" takes oneDNN's sgemm (`cpu_gemm`) for
+  float32 products on a CPU where it loads, XLA's dots elsewhere;
+  "onednn" raises where it cannot run."""
+  if requested not in IMPLEMENTATIONS:
+    raise ValueError(f"Unknown matmul_implementation {requested!r}; choose "
+                     f"one of {IMPLEMENTATIONS}.")
+  if requested == "xla":
+    return requested
+  problem = (f"it computes float32 products, and these compute in "
+             f"{jnp.dtype(dtype).name}"
+             + (f" with {jnp.dtype(operand_dtype).name} operands"
+                if operand_dtype is not None else "")
+             if jnp.dtype(dtype) != jnp.float32 or operand_dtype is not None
+             else cpu_gemm.problem(device))
+  if problem is None:
+    return "onednn"
+  if requested == "onednn":
+    raise ValueError(f"matmul_implementation='onednn' cannot run here: "
+                     f"{problem}. Use 'auto', which takes oneDNN where it "
+                     "can run and XLA's products elsewhere.")
+  return "xla"
 
 
 def tie_to_gradient(x: jax.Array, output_grad: jax.Array) -> jax.Array:
@@ -173,18 +209,44 @@ def _ynnpack_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
   return result.T if flip else result
 
 
-def per_token(layer, x: jax.Array) -> jax.Array:
-  """layer applied to x (B, T, ...) as one (B*T, ...) matrix of tokens.
+def per_token(layer, x: jax.Array, grouped: bool = False) -> jax.Array:
+  """layer applied to x (B, T, ...) as one (B*T, ...) matrix of tokens, or
+  with grouped=True as (G, B*T/G, ...), G = `row_groups(B)`.
 
   The same values as layer(x) for a token-wise layer (LayerNorm, Dense, MLP).
   Why: the gradients of its biases and LayerNorm scales are then sums over
   one axis of B*T rows. Over (B, T), XLA:CPU sums in 32 x 32 windows and
   pads T (65 tokens to 96), 2-5x slower: a 768-wide bias gradient of
-  vit_tiny_cifar took 9 ms that way and 1.8 ms this way.
+  vit_tiny_cifar took 9 ms that way and 1.8 ms this way. Grouped for the
+  oneDNN products, which take each device's rows as a group: every
+  product, bias gradient and LayerNorm of the block then reads the same
+  array, where rows reshaped into groups between them made XLA compute
+  their producers twice, once per shape.
   """
   batch, num_tokens = x.shape[:2]
+  if grouped:
+    groups = row_groups(batch)
+    y = layer(x.reshape(groups, batch * num_tokens // groups, *x.shape[2:]))
+    return y.reshape(batch, num_tokens, *y.shape[2:])
   y = layer(x.reshape(batch * num_tokens, *x.shape[2:]))
   return y.reshape(batch, num_tokens, *y.shape[1:])
+
+
+def row_groups(rows: int) -> int:
+  """Groups of rows for the oneDNN products: one per device where the rows
+  divide so (as a batch split over the devices does)."""
+  return math.gcd(rows, jax.device_count())
+
+
+def _grouped_rows(x: jax.Array, num_contracted: int) -> jax.Array:
+  """x (..., *K) as (G, M, prod(K)): its first axis as the groups if it has
+  two or more leading axes (`per_token`'s grouping), else its rows in
+  `row_groups` groups."""
+  leading = x.shape[:x.ndim - num_contracted]
+  depth = int(np.prod(x.shape[x.ndim - num_contracted:]))
+  groups = (leading[0] if len(leading) >= 2
+            else row_groups(int(np.prod(leading))))
+  return x.reshape(groups, -1, depth)
 
 
 def _is_dense_matmul(inputs, kernel, dimension_numbers) -> bool:
@@ -199,12 +261,21 @@ def _is_dense_matmul(inputs, kernel, dimension_numbers) -> bool:
 
 
 def _matmul_backward(inputs, kernel, output_grad, num_contracted, precision,
-                     operand_dtype):
+                     operand_dtype, implementation):
   """(inputs' gradient, kernel's gradient) of the matmul of inputs
   (..., *K) and kernel (*K, *N), len(K) = num_contracted, given
   output_grad (..., *N)."""
   depth = int(np.prod(kernel.shape[:num_contracted]))
   width = int(np.prod(kernel.shape[num_contracted:]))
+  if implementation == "onednn":
+    grouped = _grouped_rows(inputs, num_contracted)
+    output_grad = output_grad.astype(inputs.dtype).reshape(
+        grouped.shape[:2] + (width,))
+    kernel_2d = kernel.reshape(depth, width).astype(inputs.dtype)
+    inputs_grad = cpu_gemm.rows_times_transposed(output_grad, kernel_2d)
+    kernel_grad = cpu_gemm.rows_transposed_times(grouped, output_grad)
+    return (inputs_grad.reshape(inputs.shape),
+            kernel_grad.reshape(kernel.shape).astype(kernel.dtype))
   output_grad = output_grad.reshape(-1, width)
   inputs_grad = _product(
       output_grad.astype(kernel.dtype), kernel.reshape(depth, width),
@@ -216,7 +287,15 @@ def _matmul_backward(inputs, kernel, output_grad, num_contracted, precision,
 
 
 def _dot(inputs, kernel, dimension_numbers, precision,
-         preferred_element_type, operand_dtype=None):
+         preferred_element_type, operand_dtype=None, implementation="xla"):
+  if (implementation == "onednn"
+      and _is_dense_matmul(inputs, kernel, dimension_numbers)):
+    num = len(dimension_numbers[0][0])
+    depth = int(np.prod(kernel.shape[:num]))
+    product = cpu_gemm.rows_times(_grouped_rows(inputs, num),
+                                  kernel.reshape(depth, -1).astype(inputs.dtype))
+    return product.reshape(inputs.shape[:inputs.ndim - num]
+                           + kernel.shape[num:])
   if operand_dtype is not None:
     return _product(inputs, kernel, dimension_numbers, precision,
                     operand_dtype).astype(preferred_element_type
@@ -226,22 +305,24 @@ def _dot(inputs, kernel, dimension_numbers, precision,
                              preferred_element_type=preferred_element_type)
 
 
-_matmul = jax.custom_vjp(_dot, nondiff_argnums=(2, 3, 4, 5))
+_matmul = jax.custom_vjp(_dot, nondiff_argnums=(2, 3, 4, 5, 6))
 
 
 def _matmul_forward(inputs, kernel, dimension_numbers, precision,
-                    preferred_element_type, operand_dtype):
+                    preferred_element_type, operand_dtype, implementation):
   return (_dot(inputs, kernel, dimension_numbers, precision,
-               preferred_element_type, operand_dtype), (inputs, kernel))
+               preferred_element_type, operand_dtype, implementation),
+          (inputs, kernel))
 
 
 def _matmul_backward_rule(dimension_numbers, precision, preferred_element_type,
-                          operand_dtype, residuals, output_grad):
+                          operand_dtype, implementation, residuals,
+                          output_grad):
   del preferred_element_type
   inputs, kernel = residuals
   return _matmul_backward(inputs, kernel, output_grad,
                           len(dimension_numbers[0][0]), precision,
-                          operand_dtype)
+                          operand_dtype, implementation)
 
 
 _matmul.defvjp(_matmul_forward, _matmul_backward_rule)
@@ -249,37 +330,43 @@ _matmul.defvjp(_matmul_forward, _matmul_backward_rule)
 
 def dense_dot_general(inputs: jax.Array, kernel: jax.Array,
                       dimension_numbers, precision=None,
-                      preferred_element_type=None,
-                      operand_dtype=None) -> jax.Array:
+                      preferred_element_type=None, operand_dtype=None,
+                      implementation: str = "xla") -> jax.Array:
   """`jax.lax.dot_general` for Dense layers, whose backward pass computes
   the kernel's gradient with `kernel_gradient`; with operand_dtype, every
-  product's operands rounded to it (module docstring). Bind operand_dtype
-  with functools.partial for `nn.Dense(dot_general=...)`."""
+  product's operands rounded to it; with implementation "onednn" (as
+  `resolve_implementation` resolves it), the products in oneDNN (module
+  docstring). Bind operand_dtype and implementation with functools.partial
+  for `nn.Dense(dot_general=...)`."""
   matmul = (_matmul if _is_dense_matmul(inputs, kernel, dimension_numbers)
             else _dot)
   return matmul(inputs, kernel, dimension_numbers, precision,
-                preferred_element_type, operand_dtype)
+                preferred_element_type, operand_dtype, implementation)
 
 
 def _gelu_then_dot(inputs, kernel, dimension_numbers, precision,
-                   preferred_element_type, approximate, operand_dtype=None):
+                   preferred_element_type, approximate, operand_dtype=None,
+                   implementation="xla"):
   return _dot(nn.gelu(inputs, approximate=approximate), kernel,
               dimension_numbers, precision, preferred_element_type,
-              operand_dtype)
+              operand_dtype, implementation)
 
 
-_gelu_dot = jax.custom_vjp(_gelu_then_dot, nondiff_argnums=(2, 3, 4, 5, 6))
+_gelu_dot = jax.custom_vjp(_gelu_then_dot,
+                           nondiff_argnums=(2, 3, 4, 5, 6, 7))
 
 
 def _gelu_dot_forward(inputs, kernel, dimension_numbers, precision,
-                      preferred_element_type, approximate, operand_dtype):
+                      preferred_element_type, approximate, operand_dtype,
+                      implementation):
   return _gelu_then_dot(inputs, kernel, dimension_numbers, precision,
-                        preferred_element_type, approximate,
-                        operand_dtype), (inputs, kernel)
+                        preferred_element_type, approximate, operand_dtype,
+                        implementation), (inputs, kernel)
 
 
 def _gelu_dot_backward(dimension_numbers, precision, preferred_element_type,
-                       approximate, operand_dtype, residuals, output_grad):
+                       approximate, operand_dtype, implementation, residuals,
+                       output_grad):
   del preferred_element_type
   inputs, kernel = residuals
   activations, gelu_vjp = jax.vjp(
@@ -287,7 +374,7 @@ def _gelu_dot_backward(dimension_numbers, precision, preferred_element_type,
       tie_to_gradient(inputs, output_grad))
   activations_grad, kernel_grad = _matmul_backward(
       activations, kernel, output_grad, len(dimension_numbers[0][0]),
-      precision, operand_dtype)
+      precision, operand_dtype, implementation)
   (inputs_grad,) = gelu_vjp(activations_grad)
   return inputs_grad, kernel_grad
 
@@ -295,7 +382,8 @@ def _gelu_dot_backward(dimension_numbers, precision, preferred_element_type,
 _gelu_dot.defvjp(_gelu_dot_forward, _gelu_dot_backward)
 
 
-def gelu_dot_general(approximate: bool = True, operand_dtype=None
+def gelu_dot_general(approximate: bool = True, operand_dtype=None,
+                     implementation: str = "xla"
                      ) -> Callable[..., jax.Array]:
   """A `dot_general` for `nn.Dense` that applies GELU to its input first.
 
@@ -313,5 +401,6 @@ def gelu_dot_general(approximate: bool = True, operand_dtype=None
                 if _is_dense_matmul(inputs, kernel, dimension_numbers)
                 else _gelu_then_dot)
     return gelu_dot(inputs, kernel, dimension_numbers, precision,
-                    preferred_element_type, approximate, operand_dtype)
+                    preferred_element_type, approximate, operand_dtype,
+                    implementation)
   return dot_general

@@ -34,6 +34,7 @@ class MlpBlock(nn.Module):
   dropout_rate: float = 0.0
   approximate_gelu: bool = True
   matmul_dtype: Optional[Dtype] = None
+  matmul_implementation: str = "auto"
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -42,8 +43,11 @@ class MlpBlock(nn.Module):
                dropout_key: Optional[jax.Array] = None) -> jax.Array:
     out_dim = x.shape[-1]
     hidden_key, out_key = _split(dropout_key, 2)
-    dense_dot_general = functools.partial(matmuls.dense_dot_general,
-                                          operand_dtype=self.matmul_dtype)
+    products = matmuls.resolve_implementation(
+        self.matmul_implementation, self.dtype, self.matmul_dtype)
+    dense_dot_general = functools.partial(
+        matmuls.dense_dot_general, operand_dtype=self.matmul_dtype,
+        implementation=products)
     dense = lambda features, name, dot_general=dense_dot_general: (
         nn.Dense(features, dtype=self.dtype, param_dtype=self.param_dtype,
                  kernel_init=nn.initializers.xavier_uniform(),
@@ -52,7 +56,7 @@ class MlpBlock(nn.Module):
     x = dense(self.mlp_dim, "Dense_0")(x)
     if deterministic or self.dropout_rate == 0.0:
       x = dense(out_dim, "Dense_1", matmuls.gelu_dot_general(
-          self.approximate_gelu, self.matmul_dtype))(x)
+          self.approximate_gelu, self.matmul_dtype, products))(x)
     else:
       x = nn.gelu(x, approximate=self.approximate_gelu)
       x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic,
@@ -80,6 +84,7 @@ class Encoder1DBlock(nn.Module):
   approximate_gelu: bool = True
   layer_norm_epsilon: float = 1e-6
   matmul_dtype: Optional[Dtype] = None
+  matmul_implementation: str = "auto"
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -94,13 +99,16 @@ class Encoder1DBlock(nn.Module):
     norm = lambda name: nn.LayerNorm(
         epsilon=self.layer_norm_epsilon, dtype=self.dtype,
         param_dtype=self.param_dtype, name=name)
-    y = per_token(norm("LayerNorm_0"), x)
+    products = matmuls.resolve_implementation(
+        self.matmul_implementation, self.dtype, self.matmul_dtype)
+    grouped = products == "onednn"  # each device's rows a group
+    y = per_token(norm("LayerNorm_0"), x, grouped)
     y = MultiHeadSelfAttention(
         num_heads=self.num_heads,
         attention_dropout_rate=self.attention_dropout_rate,
         locality=self.locality_attention,
         implementation=self.attention_implementation,
-        matmul_dtype=self.matmul_dtype,
+        matmul_dtype=self.matmul_dtype, matmul_implementation=products,
         dtype=self.dtype, param_dtype=self.param_dtype,
         name="MultiHeadDotProductAttention_1")(
             y, deterministic=deterministic, num_query_tokens=num_query_tokens,
@@ -112,12 +120,12 @@ class Encoder1DBlock(nn.Module):
     x = x + options.drop_path(self, y, self.drop_path_rate, deterministic,
                               uniforms[0])
 
-    y = per_token(norm("LayerNorm_2"), x)
+    y = per_token(norm("LayerNorm_2"), x, grouped)
     y = per_token(functools.partial(MlpBlock(
         mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
         approximate_gelu=self.approximate_gelu,
-        matmul_dtype=self.matmul_dtype, dtype=self.dtype,
-        param_dtype=self.param_dtype, name="MlpBlock_3"),
-        deterministic=deterministic, dropout_key=mlp_key), y)
+        matmul_dtype=self.matmul_dtype, matmul_implementation=products,
+        dtype=self.dtype, param_dtype=self.param_dtype, name="MlpBlock_3"),
+        deterministic=deterministic, dropout_key=mlp_key), y, grouped)
     return x + options.drop_path(self, y, self.drop_path_rate, deterministic,
                                  uniforms[1])

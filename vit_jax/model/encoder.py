@@ -57,6 +57,7 @@ class Encoder(nn.Module):
   remat_blocks: bool = False
   num_output_tokens: Optional[int] = None
   matmul_dtype: Optional[Dtype] = None
+  matmul_implementation: str = "auto"
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -120,7 +121,8 @@ class Encoder(nn.Module):
         attention_implementation=self.attention_implementation,
         approximate_gelu=self.approximate_gelu,
         layer_norm_epsilon=self.layer_norm_epsilon,
-        matmul_dtype=self.matmul_dtype, dtype=self.dtype,
+        matmul_dtype=self.matmul_dtype,
+        matmul_implementation=self.matmul_implementation, dtype=self.dtype,
         param_dtype=self.param_dtype, **module_kwargs)
 
   def _block_randomness(self, x: jax.Array, deterministic: bool):

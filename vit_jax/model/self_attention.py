@@ -100,6 +100,7 @@ class MultiHeadSelfAttention(nn.Module):
   locality: bool = False
   implementation: str = "auto"
   matmul_dtype: Optional[Dtype] = None
+  matmul_implementation: str = "auto"
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -124,40 +125,45 @@ class MultiHeadSelfAttention(nn.Module):
         locality=self.locality)
 
     query_tokens = num_query_tokens or x.shape[1]
+    products = matmuls.resolve_implementation(
+        self.matmul_implementation, self.dtype, self.matmul_dtype)
+    grouped = products == "onednn"  # rows in groups: matmuls.per_token
     if num_query_tokens is None:
       query, key, value = self._project(
-          x, [projections[n] for n in ("query", "key", "value")], fused)
+          x, [projections[n] for n in ("query", "key", "value")], fused,
+          products)
     else:  # only the first num_query_tokens tokens query
       (query,) = self._project(x[:, :num_query_tokens],
-                               [projections["query"]], fused)
+                               [projections["query"]], fused, products)
       key, value = self._project(
-          x, [projections["key"], projections["value"]], fused)
+          x, [projections["key"], projections["value"]], fused, products)
     output = nn.DenseGeneral(
         hidden_size, axis=(-2, -1), dtype=self.dtype,
         param_dtype=self.param_dtype,
         kernel_init=nn.initializers.xavier_uniform(),
-        dot_general=functools.partial(matmuls.dense_dot_general,
-                                      operand_dtype=self.matmul_dtype),
+        dot_general=functools.partial(
+            matmuls.dense_dot_general, operand_dtype=self.matmul_dtype,
+            implementation=products),
         name="out")
 
     if fused == "cpu_kernel":
       attended = cpu_attention.attention_core(
           query / jnp.sqrt(head_dim).astype(self.dtype), key, value,
           self.matmul_dtype)
-      return per_token(output, jnp.swapaxes(attended, 1, 2))
+      return per_token(output, jnp.swapaxes(attended, 1, 2), grouped)
     if fused is not None:
       attended = attention.dot_product_attention(
           query, key, value, fused, key_tokens=(
               x.shape[1] if attention.needs_even_tokens(fused) else None))
       # Padded queries dropped after the output projection: the slice then
       # fuses into the residual addition that follows.
-      return per_token(output, attended)[:, :query_tokens]
+      return per_token(output, attended, grouped)[:, :query_tokens]
     attended = self._attend(query, key, value, deterministic, dropout_key)
-    return per_token(output, jnp.swapaxes(attended, 1, 2))
+    return per_token(output, jnp.swapaxes(attended, 1, 2), grouped)
 
   def _project(self, inputs: jax.Array,
                projections: list[tuple[jax.Array, jax.Array]],
-               fused: Optional[str]) -> list[jax.Array]:
+               fused: Optional[str], products: str) -> list[jax.Array]:
     """(B, T, D) -> per projection, (B, heads, T, head_dim) for the einsums
     or (B, T, heads, head_dim) for the fused kernels, from one matmul:
     (B*T, D) @ (D, 3*D) runs faster on XLA:CPU than three of (D, D).
@@ -173,8 +179,9 @@ class MultiHeadSelfAttention(nn.Module):
     inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias,
                                                    dtype=self.dtype)
     outputs = per_token(lambda tokens: matmuls.dense_dot_general(
-        tokens, kernel, (((1,), (0,)), ((), ())),
-        operand_dtype=self.matmul_dtype) + bias, inputs)
+        tokens, kernel, (((tokens.ndim - 1,), (0,)), ((), ())),
+        operand_dtype=self.matmul_dtype, implementation=products) + bias,
+                        inputs, products == "onednn")
     outputs = outputs.reshape(*outputs.shape[:2], len(projections),
                               self.num_heads, -1)
     if attention.needs_even_tokens(fused):

@@ -6,43 +6,10 @@
 #ifndef VIT_JAX_KERNELS_CSRC_ATTENTION_HANDLERS_H_
 #define VIT_JAX_KERNELS_CSRC_ATTENTION_HANDLERS_H_
 
-#include <atomic>
-#include <condition_variable>
-#include <memory>
-#include <mutex>
-
 #include "attention_core.h"
+#include "parallel_tasks.h"
 
 namespace {
-
-// Runs work(pair) for every pair, on the calling thread and up to
-// num_threads - 1 of XLA's intra-op threads. Pairs are claimed from a shared
-// counter, so a helper that starts late finds nothing and nobody waits on a
-// task that never ran.
-template <typename Work>
-void ForEachPair(ffi::ThreadPool& pool, int64_t pairs, Work work) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mutex;
-    std::condition_variable finished;
-  };
-  auto state = std::make_shared<State>();
-  auto run = [state, pairs, work]() {
-    for (int64_t i; (i = state->next.fetch_add(1)) < pairs;) {
-      work(i);
-      if (state->done.fetch_add(1) + 1 == pairs) {
-        std::lock_guard<std::mutex> lock(state->mutex);
-        state->finished.notify_all();
-      }
-    }
-  };
-  const int64_t helpers =
-      std::min<int64_t>(pool.num_threads(), pairs) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(run)(run));
-  run();
-  std::unique_lock<std::mutex> lock(state->mutex);
-  state->finished.wait(lock, [&] { return state->done.load() == pairs; });
-}
 
 ffi::Error ShapeOf(const ffi::Buffer<ffi::F32>& q,
                    const ffi::Buffer<ffi::F32>& k, Shape* shape) {
@@ -74,7 +41,7 @@ ffi::Error Forward(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& q,
   Shape s;
   if (ffi::Error error = ShapeOf(q, k, &s); error.failure()) return error;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  ForEachPair(pool, s.pairs, [=](int64_t i) {
+  ForEachTask(pool, s.pairs, [=](int64_t i) {
     const int64_t qo = i * s.query_tokens * s.head_dim,
                   ko = i * s.key_tokens * s.head_dim;
     forward_pair(s, qp + qo, kp + ko, vp + ko, o + qo,
@@ -94,7 +61,7 @@ ffi::Error Backward(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& q,
   if (ffi::Error error = ShapeOf(q, k, &s); error.failure()) return error;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(),
               *pp = p.typed_data(), *gp = dout.typed_data();
-  ForEachPair(pool, s.pairs, [=](int64_t i) {
+  ForEachTask(pool, s.pairs, [=](int64_t i) {
     const int64_t qo = i * s.query_tokens * s.head_dim,
                   ko = i * s.key_tokens * s.head_dim,
                   po = i * s.query_tokens * s.padded_keys;

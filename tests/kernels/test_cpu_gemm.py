@@ -1,0 +1,182 @@
+"""The Dense layers' products through oneDNN (`cpu_gemm`), and the model's
+choice of them (`matmuls.resolve_implementation`)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from vit_jax.kernels import cpu_gemm, matmuls
+from vit_jax.model import vit
+from vit_jax.runtime import sharding
+
+needs_onednn = pytest.mark.skipif(
+    cpu_gemm.problem() is not None,
+    reason=f"the oneDNN products cannot run: {cpu_gemm.problem()}")
+
+
+def _normal(seed: int, *shape: int) -> np.ndarray:
+  return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+@needs_onednn
+@pytest.mark.parametrize("tasks", [1, 3])
+@pytest.mark.parametrize("groups,rows,depth,width", [
+    (1, 197, 64, 192), (2, 37, 20, 50), (3, 16, 1, 17), (1, 5, 40, 3)])
+def test_the_three_products_match_a_float64_reference(
+    monkeypatch, tasks, groups, rows, depth, width):
+  """Per group x.W, dy.W^T and x^T.dy (summed over the groups), with each
+  product split into `tasks` blocks of rows or columns (sizes that no block
+  divides included)."""
+  monkeypatch.setattr(cpu_gemm, "tasks_per_device", lambda: tasks)
+  x, dy = _normal(0, groups, rows, depth), _normal(1, groups, rows, width)
+  kernel = _normal(2, depth, width)
+  f64 = lambda a: np.asarray(a, np.float64)
+  cases = [
+      (cpu_gemm.rows_times, (x, kernel), f64(x) @ f64(kernel)),
+      (cpu_gemm.rows_times_transposed, (dy, kernel), f64(dy) @ f64(kernel).T),
+      (cpu_gemm.rows_transposed_times, (x, dy),
+       np.einsum("grk,grn->kn", f64(x), f64(dy)))]
+  for product, operands, expected in cases:
+    result = jax.jit(product)(*operands)
+    assert result.shape == expected.shape and result.dtype == jnp.float32
+    np.testing.assert_allclose(result, expected, rtol=1e-5,
+                               atol=1e-5 * np.abs(expected).max())
+
+
+@needs_onednn
+def test_wrong_operands_are_named():
+  with pytest.raises(ValueError, match=r"\(G, rows, columns\) float32"):
+    cpu_gemm.rows_times(jnp.ones((4, 8)), jnp.ones((8, 2)))
+  with pytest.raises(ValueError, match=r"bfloat16\[1, 4, 8\]"):
+    cpu_gemm.rows_transposed_times(jnp.ones((1, 4, 8), jnp.bfloat16),
+                                   jnp.ones((1, 4, 2)))
+
+
+@needs_onednn
+@pytest.mark.parametrize("input_shape,kernel_shape,axes", [
+    ((2, 48, 24), (24, 40), 1),        # per_token's groups
+    ((96, 24), (24, 40), 1),           # flat rows: groups by the devices
+    ((2, 30, 3, 8), (3, 8, 16), 2)])   # DenseGeneral over (heads, head_dim)
+def test_dense_products_match_xlas_values_and_gradients(
+    input_shape, kernel_shape, axes):
+  x, kernel = _normal(3, *input_shape), _normal(4, *kernel_shape)
+  numbers = ((tuple(range(x.ndim - axes, x.ndim)), tuple(range(axes))),
+             ((), ()))
+  for make in (lambda impl: functools.partial(
+                   matmuls.dense_dot_general, implementation=impl),
+               lambda impl: matmuls.gelu_dot_general(implementation=impl)):
+    def loss(x, kernel, impl, make=make):
+      y = make(impl)(x, kernel, numbers)
+      return (jnp.sin(y) * y).sum(), y
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True),
+                   static_argnums=2)
+    (dx, dk), y = grad(x, kernel, "onednn")
+    (dx_ref, dk_ref), y_ref = grad(x, kernel, "xla")
+    for result, expected in ((y, y_ref), (dx, dx_ref), (dk, dk_ref)):
+      assert result.shape == expected.shape
+      np.testing.assert_allclose(result, expected, rtol=1e-4,
+                                 atol=1e-5 * np.abs(expected).max())
+
+
+@needs_onednn
+def test_under_a_batch_split_mesh_each_device_multiplies_its_own_rows():
+  mesh = sharding.make_mesh()
+  count = mesh.devices.size
+  rows = NamedSharding(mesh, PartitionSpec(sharding.MESH_AXES))
+  x = jax.device_put(_normal(5, count, 24, 40), rows)
+  dy = jax.device_put(_normal(6, count, 24, 16), rows)
+  kernel = _normal(7, 40, 16)
+  forward = jax.jit(cpu_gemm.rows_times)
+  program = forward.lower(x, kernel).compile().as_text()
+  assert "all-gather" not in program and "VitGemm" in program
+  y = forward(x, kernel)
+  assert {shard.data.shape for shard in y.addressable_shards} == {(1, 24, 16)}
+  np.testing.assert_allclose(y, np.asarray(x) @ kernel, rtol=1e-5, atol=1e-4)
+  gradient = jax.jit(cpu_gemm.rows_transposed_times)
+  program = gradient.lower(x, dy).compile().as_text()
+  assert "all-gather" not in program and "all-reduce" in program
+  np.testing.assert_allclose(
+      gradient(x, dy), np.einsum("grk,grn->kn", x, dy), rtol=1e-5, atol=1e-4)
+
+
+_DIMS = dict(num_classes=10, patch_size=4, hidden_size=64, num_layers=2,
+             num_heads=4, mlp_dim=128)
+
+
+@needs_onednn
+def test_the_model_takes_onednn_on_cpu_with_xlas_values():
+  """"auto" on a CPU: every encoder Dense product in oneDNN, on each
+  device's rows; the loss and every parameter's gradient as XLA's."""
+  mesh = sharding.make_mesh()
+  images = jax.device_put(
+      _normal(8, 16, 16, 16, 3),
+      NamedSharding(mesh, PartitionSpec(sharding.MESH_AXES)))
+  models = {impl: vit.VisionTransformer(**_DIMS, matmul_implementation=impl)
+            for impl in ("auto", "xla")}
+  params = models["xla"].init(jax.random.key(0), images[:2], train=False)
+  leaves, tree = jax.tree.flatten(params)
+  params = jax.tree.unflatten(tree, [  # a head that is not all zeros
+      leaf + 0.05 * _normal(i, *leaf.shape) for i, leaf in enumerate(leaves)])
+  results = {}
+  for impl, model in models.items():
+    step = jax.jit(jax.value_and_grad(lambda p, model=model: jnp.mean(
+        model.apply(p, images, train=False) ** 2)))
+    program = step.lower(params).compile().as_text()
+    # 2 blocks x 4 Dense layers x 3 products, less the last block's
+    # query-only projection gradients' sharing: at least 20 calls.
+    calls = program.count('custom_call_target="VitGemm')
+    assert (calls >= 20) if impl == "auto" else calls == 0, calls
+    assert "all-gather" not in program
+    results[impl] = step(params)
+  (loss, grads), (loss_ref, grads_ref) = results["auto"], results["xla"]
+  np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
+  scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads_ref))
+  for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+    np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_auto_takes_onednn_only_for_float32_products_on_a_cpu(monkeypatch):
+  monkeypatch.setattr(cpu_gemm, "problem", lambda device=None: None)
+  resolve = matmuls.resolve_implementation
+  assert resolve("auto", jnp.float32) == "onednn"
+  assert resolve("auto", jnp.float32, jnp.bfloat16) == "xla"
+  assert resolve("auto", jnp.bfloat16) == "xla"
+  assert resolve("xla", jnp.float32) == "xla"
+  with pytest.raises(ValueError, match="computes float32 products.*bfloat16"):
+    resolve("onednn", jnp.float32, jnp.bfloat16)
+  with pytest.raises(ValueError, match="Unknown matmul_implementation 'mkl'"):
+    resolve("mkl", jnp.float32)
+  monkeypatch.setattr(cpu_gemm, "problem",
+                      lambda device=None: "oneDNN is not installed")
+  assert resolve("auto", jnp.float32) == "xla"
+  with pytest.raises(ValueError, match="cannot run here: oneDNN is not "
+                     "installed. Use 'auto'"):
+    resolve("onednn", jnp.float32)
+
+
+def test_a_missing_onednn_names_the_fix(monkeypatch):
+  monkeypatch.setattr(cpu_gemm, "library_path", lambda: None)
+  problem = cpu_gemm.load.__wrapped__()  # not the process's cached answer
+  if "C++" in (problem or ""):
+    pytest.skip(f"the kernels cannot be built here: {problem}")
+  assert "pip install 'onednn-cpu-gomp'" in problem
+  assert cpu_gemm.LIBRARY_VARIABLE in problem
+
+
+def test_the_library_comes_from_the_variable_or_the_wheel(monkeypatch,
+                                                         tmp_path):
+  monkeypatch.setenv(cpu_gemm.LIBRARY_VARIABLE, str(tmp_path / "x.so"))
+  assert cpu_gemm.library_path() == str(tmp_path / "x.so")
+  monkeypatch.delenv(cpu_gemm.LIBRARY_VARIABLE)
+  path = cpu_gemm.library_path()
+  assert path is None or path.endswith(cpu_gemm.LIBRARY)
+
+
+def test_an_unknown_implementation_is_named_at_the_model():
+  with pytest.raises(ValueError, match="Unknown matmul_implementation"):
+    vit.VisionTransformer(**_DIMS, matmul_implementation="blas").init(
+        jax.random.key(0), jnp.ones((1, 16, 16, 3)), train=False)

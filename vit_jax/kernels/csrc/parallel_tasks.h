@@ -1,0 +1,48 @@
+// Runs a kernel's independent tasks on XLA's intra-op threads. Internal to
+// the kernels' sources (attention_handlers.h, gemm_cpu.cc).
+
+#ifndef VIT_JAX_KERNELS_CSRC_PARALLEL_TASKS_H_
+#define VIT_JAX_KERNELS_CSRC_PARALLEL_TASKS_H_
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace {
+
+// Runs work(task) for every task in [0, tasks), on the calling thread and
+// up to tasks - 1 of XLA's intra-op threads. Tasks are claimed from a
+// shared counter, so a helper that starts late finds nothing and nobody
+// waits on a task that never ran.
+template <typename Work>
+void ForEachTask(xla::ffi::ThreadPool& pool, int64_t tasks, Work work) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mutex;
+    std::condition_variable finished;
+  };
+  auto state = std::make_shared<State>();
+  auto run = [state, tasks, work]() {
+    for (int64_t i; (i = state->next.fetch_add(1)) < tasks;) {
+      work(i);
+      if (state->done.fetch_add(1) + 1 == tasks) {
+        std::lock_guard<std::mutex> lock(state->mutex);
+        state->finished.notify_all();
+      }
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(run)(run));
+  run();
+  std::unique_lock<std::mutex> lock(state->mutex);
+  state->finished.wait(lock, [&] { return state->done.load() == tasks; });
+}
+
+}  // namespace
+
+#endif  // VIT_JAX_KERNELS_CSRC_PARALLEL_TASKS_H_
