@@ -288,13 +288,24 @@ def dense_product_operands(product: str, rows: int, k: int, n: int):
 
 def dense_product_fn(library: str, product: str):
   """(lhs, rhs) -> the product, as the library's train step computes it:
-  for jax, XLA's dot_general with its contracting dimensions, and the
-  weight gradient as vit_jax's Dense layers do (`matmuls.kernel_gradient`);
-  for torch, its autodiff's transposes."""
+  for jax, oneDNN's products where vit_jax's model takes them
+  (`kernels.cpu_gemm`, float32 on a CPU where it loads), else XLA's
+  dot_general with its contracting dimensions, and the weight gradient as
+  vit_jax's Dense layers do (`matmuls.kernel_gradient`); for torch, its
+  autodiff's transposes."""
   if library == "jax":
     import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     from jax import lax  # pylint: disable=import-outside-toplevel
-    from vit_jax.kernels import matmuls  # pylint: disable=import-outside-toplevel
+    from vit_jax.kernels import cpu_gemm, matmuls  # pylint: disable=import-outside-toplevel
+    if matmuls.resolve_implementation("auto", jnp.float32) == "onednn":
+      return jax.jit({  # one group of rows, as on each device of the step
+          "x.W": lambda a, b: cpu_gemm.rows_times(a[None], b)[0],
+          "dy.W^T": lambda a, b: cpu_gemm.rows_times_transposed(a[None],
+                                                                b)[0],
+          "x^T.dy": lambda a, b: cpu_gemm.rows_transposed_times(a[None],
+                                                                b[None]),
+      }[product])
     if product == "x^T.dy":
       return jax.jit(matmuls.kernel_gradient)
     lhs_dim, rhs_dim = {"x.W": (1, 0), "dy.W^T": (1, 1)}[product]
