@@ -148,12 +148,14 @@ def profile_by_kind(hlo_text: str, trace_path: str, step_wall_s: float
   """Each device's step time by kind of thunk, averaged over devices and
   steps.
 
-  A thunk's time is its event's. XLA:CPU runs a `dot` instruction (Eigen's
-  matmul; YNNPACK's are fusions) asynchronously on the thread pool, its
-  event covering the launch: the device's wait for it (the gaps in its
-  timeline until a reader of the result starts) is added to the dot's
-  kind. Gaps with no dot outstanding are WAITING; the step's wall time
-  outside the device's first and last thunk is BETWEEN_STEPS.
+  A thunk's time is its event's, less any part of it during which an
+  earlier-started thunk of the device still ran. XLA:CPU runs a `dot`
+  instruction (Eigen's matmul; YNNPACK's are fusions) asynchronously on
+  the thread pool, its event covering the launch: the device's wait for
+  it (the gaps in its timeline until a reader of the result starts) is
+  added to the dot's kind. Gaps with no dot outstanding are WAITING; the
+  step's wall time outside the device's first and last thunk is
+  BETWEEN_STEPS.
   """
   module = hlo_kinds.parse_hlo(hlo_text)
   consumers = hlo_kinds.thunk_consumers(module)
@@ -176,8 +178,14 @@ def profile_by_kind(hlo_text: str, trace_path: str, step_wall_s: float
     seconds[WAITING] += unexplained / runs
     seconds[BETWEEN_STEPS] += (step_wall_s - (timeline[-1].end -
                                               timeline[0].start)) / runs
+    cursor = timeline[0].start
     for event in timeline:
-      busy = event.end - event.start + waiting.pop(event.name, 0.0)
+      # XLA's thunk executor may run independent thunks at once (a custom
+      # call beside a fusion): each instant of the device's time is charged
+      # to the thunk that started first.
+      own = max(0.0, event.end - max(event.start, cursor))
+      cursor = max(cursor, event.end)
+      busy = own + waiting.pop(event.name, 0.0)
       seconds[kinds[event.name]] += busy / runs
       per_thunk[event.name] += busy / runs
       dense[kinds[event.name]] += flops[event.name] / runs

@@ -130,6 +130,21 @@ def test_the_log_advises_on_matmul_dtype_by_the_cpus_dot_instructions(
     assert advice.startswith(("Warning", "Note")) and says in advice
 
 
+def test_the_log_names_why_onednn_cannot_run_where_auto_would_take_it(
+    monkeypatch):
+  from vit_jax.kernels import cpu_gemm  # pylint: disable=import-outside-toplevel
+  from vit_jax.training import run  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(cpu_gemm, "problem",
+                      lambda device=None: "oneDNN is not installed: pip")
+  advice = run.matmul_implementation_advice("auto", None)
+  assert advice.startswith("Note") and "not installed: pip" in advice
+  assert run.matmul_implementation_advice("xla", None) is None
+  assert run.matmul_implementation_advice("auto", "bfloat16") is None
+  assert run.matmul_implementation_advice("auto", None, "bfloat16") is None
+  monkeypatch.setattr(cpu_gemm, "problem", lambda device=None: None)
+  assert run.matmul_implementation_advice("auto", None) is None
+
+
 def test_eval_step_ignores_padding():
   config = small_config()
   mesh = sharding.make_mesh()

@@ -7,8 +7,9 @@ and in a ViT-Ti/16 @224 train step that product ran at 72-83 GFLOP/s
 against 104-115 for x.W on the same core. oneDNN's sgemm, called on each
 device's rows, ran x^T.dy at 143-168 GFLOP/s alone on one core of an Intel
 Xeon (Eigen 100-143) and x.W at 164-170 (Eigen 140-144); with all three
-products of every encoder Dense layer here, the train step took 9-11%
-less time (docs/performance.md, *The Dense products through oneDNN*).
+products of every encoder Dense layer here, the train step took 7-8% less
+time there (ViT-Ti/16 @224 and vit_tiny_cifar; docs/performance.md, *The
+Dense products through oneDNN*).
 
 oneDNN comes from the `onednn-cpu-gomp` wheel (a dependency of vit_jax on
 x86-64 Linux), loaded on first use; its sgemm is handed to the C++
