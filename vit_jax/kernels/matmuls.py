@@ -291,9 +291,9 @@ def _dot(inputs, kernel, dimension_numbers, precision,
   if (implementation == "onednn"
       and _is_dense_matmul(inputs, kernel, dimension_numbers)):
     num = len(dimension_numbers[0][0])
-    depth = int(np.prod(kernel.shape[:num]))
+    kernel_2d = kernel.reshape(int(np.prod(kernel.shape[:num])), -1)
     product = cpu_gemm.rows_times(_grouped_rows(inputs, num),
-                                  kernel.reshape(depth, -1).astype(inputs.dtype))
+                                  kernel_2d.astype(inputs.dtype))
     return product.reshape(inputs.shape[:inputs.ndim - num]
                            + kernel.shape[num:])
   if operand_dtype is not None:
