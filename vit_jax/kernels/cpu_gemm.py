@@ -85,9 +85,11 @@ def problem(device: Any = None) -> Optional[str]:
   device = jax.devices()[0] if device is None else device
   if device.platform != "cpu":
     return f"they run on CPUs, and this device is {device.platform!r}"
-  if platform.machine().lower() not in ("x86_64", "amd64"):
-    return f"vit_jax takes oneDNN from its x86-64 wheel; this is a " \
-           f"{platform.machine()} CPU"
+  if (platform.machine().lower() not in ("x86_64", "amd64")
+      and not os.environ.get(LIBRARY_VARIABLE)):
+    return (f"vit_jax takes oneDNN from its x86-64 wheel; this is a "
+            f"{platform.machine()} CPU (set {LIBRARY_VARIABLE} to a "
+            "libdnnl.so.3 built for it)")
   return load()
 
 
@@ -109,10 +111,18 @@ _OVER_ROWS = cpu_build.batch_partitionable(
                                       a.dtype)], 1)
 
 
-def _check(name: str, *arrays: jax.Array) -> None:
-  if any(a.ndim != 3 or a.dtype != jnp.float32 for a in arrays):
-    raise ValueError(f"{name} takes (G, rows, columns) float32 arrays, got "
-                     f"{[f'{a.dtype}{list(a.shape)}' for a in arrays]}")
+def _check(name: str, grouped: tuple, kernel: Optional[jax.Array] = None
+           ) -> None:
+  """Raises naming the operands unless `grouped` are (G, rows, columns)
+  float32 arrays and `kernel` (if given) a (K, N) float32 one."""
+  arrays = (*grouped, *(() if kernel is None else (kernel,)))
+  ranks = (3,) * len(grouped) + (() if kernel is None else (2,))
+  if any(a.ndim != rank or a.dtype != jnp.float32
+         for a, rank in zip(arrays, ranks)):
+    raise ValueError(
+        f"{name} takes (G, rows, columns) float32 arrays"
+        + (" and a (K, N) float32 kernel" if kernel is not None else "")
+        + f", got {[f'{a.dtype}{list(a.shape)}' for a in arrays]}")
 
 
 def _per_group(kernel: jax.Array, groups: int) -> jax.Array:
@@ -124,7 +134,7 @@ def _per_group(kernel: jax.Array, groups: int) -> jax.Array:
 
 def rows_times(x: jax.Array, kernel: jax.Array) -> jax.Array:
   """x @ kernel per group: x (G, M, K), kernel (K, N) -> (G, M, N)."""
-  _check("rows_times", x, kernel[None])
+  _check("rows_times", (x,), kernel)
   (result,) = _ROWS_TIMES.bind(x, _per_group(kernel, x.shape[0]),
                                tasks=tasks_per_device())
   return result
@@ -134,7 +144,7 @@ def rows_times_transposed(output_grad: jax.Array, kernel: jax.Array
                           ) -> jax.Array:
   """output_grad @ kernel^T per group: (G, M, N), kernel (K, N) -> (G, M,
   K)."""
-  _check("rows_times_transposed", output_grad, kernel[None])
+  _check("rows_times_transposed", (output_grad,), kernel)
   (result,) = _ROWS_TIMES_TRANSPOSED.bind(
       output_grad, _per_group(kernel, output_grad.shape[0]),
       tasks=tasks_per_device())
@@ -145,6 +155,6 @@ def rows_transposed_times(x: jax.Array, output_grad: jax.Array
                           ) -> jax.Array:
   """x^T @ output_grad summed over the groups: x (G, R, K), output_grad
   (G, R, N) -> (K, N)."""
-  _check("rows_transposed_times", x, output_grad)
+  _check("rows_transposed_times", (x, output_grad))
   (partial,) = _OVER_ROWS.bind(x, output_grad, tasks=tasks_per_device())
   return partial.sum(axis=0)

@@ -59,12 +59,7 @@ def resolve_implementation(requested: str, dtype: Any,
                      f"one of {IMPLEMENTATIONS}.")
   if requested == "xla":
     return requested
-  problem = (f"it computes float32 products, and these compute in "
-             f"{jnp.dtype(dtype).name}"
-             + (f" with {jnp.dtype(operand_dtype).name} operands"
-                if operand_dtype is not None else "")
-             if jnp.dtype(dtype) != jnp.float32 or operand_dtype is not None
-             else cpu_gemm.problem(device))
+  problem = _onednn_problem(dtype, operand_dtype, device)
   if problem is None:
     return "onednn"
   if requested == "onednn":
@@ -72,6 +67,18 @@ def resolve_implementation(requested: str, dtype: Any,
                      f"{problem}. Use 'auto', which takes oneDNN where it "
                      "can run and XLA's products elsewhere.")
   return "xla"
+
+
+def _onednn_problem(dtype: Any, operand_dtype: Any, device: Any
+                    ) -> Optional[str]:
+  """Why oneDNN's products cannot run these, or None if they can."""
+  if operand_dtype is not None:
+    return (f"it computes float32 products, and these have "
+            f"{jnp.dtype(operand_dtype).name} operands")
+  if jnp.dtype(dtype) != jnp.float32:
+    return (f"it computes float32 products, and these compute in "
+            f"{jnp.dtype(dtype).name}")
+  return cpu_gemm.problem(device)
 
 
 def tie_to_gradient(x: jax.Array, output_grad: jax.Array) -> jax.Array:
