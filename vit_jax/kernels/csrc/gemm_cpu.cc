@@ -32,11 +32,12 @@ typedef void (*SetThreadsFunction)(int);
 SgemmFunction sgemm = nullptr;
 SetThreadsFunction set_omp_threads = nullptr;
 
-// Blocks of `size` in multiples of `align` for `tasks` tasks: the first
-// index of block i is Start(i).
+// Blocks of `size` in multiples of `align` for `tasks` tasks (at least
+// one): the first index of block i is Start(i).
 struct Blocks {
   int64_t size, step;
   Blocks(int64_t size, int64_t tasks, int64_t align) : size(size) {
+    tasks = std::max<int64_t>(tasks, 1);
     const int64_t per_task = (size + tasks - 1) / tasks;
     step = std::max<int64_t>(align, (per_task + align - 1) / align * align);
   }
@@ -44,6 +45,17 @@ struct Blocks {
   int64_t Start(int64_t i) const { return std::min(size, i * step); }
   int64_t Length(int64_t i) const { return Start(i + 1) - Start(i); }
 };
+
+// Runs work(group, start, length) for every block of every group, as tasks
+// on XLA's intra-op threads.
+template <typename Work>
+void ForEachBlock(ffi::ThreadPool& pool, int64_t groups, const Blocks& blocks,
+                  Work work) {
+  ForEachTask(pool, groups * blocks.count(), [=](int64_t task) {
+    const int64_t block = task % blocks.count();
+    work(task / blocks.count(), blocks.Start(block), blocks.Length(block));
+  });
+}
 
 void Sgemm(char transa, char transb, int64_t m, int64_t n, int64_t k,
            const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
@@ -79,16 +91,14 @@ ffi::Error RowsTimes(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
                 n = kTransposedRight ? bd[1] : bd[2];
   if ((kTransposedRight ? bd[2] : bd[1]) != k)
     return ffi::Error::InvalidArgument("VitGemm: a's and b's K differ");
-  const Blocks rows(m, std::max<int64_t>(tasks, 1), 16);
   const float *ap = a.typed_data(), *bp = b.typed_data();
   float* cp = c->typed_data();
-  ForEachTask(pool, groups * rows.count(), [=](int64_t task) {
-    const int64_t g = task / rows.count(), block = task % rows.count();
-    const int64_t r0 = rows.Start(block);
-    Sgemm('N', kTransposedRight ? 'T' : 'N', rows.Length(block), n, k,
-          ap + (g * m + r0) * k, k, bp + g * k * n, kTransposedRight ? k : n,
-          cp + (g * m + r0) * n, n);
-  });
+  ForEachBlock(pool, groups, Blocks(m, tasks, 16),
+               [=](int64_t g, int64_t r0, int64_t rows) {
+                 Sgemm('N', kTransposedRight ? 'T' : 'N', rows, n, k,
+                       ap + (g * m + r0) * k, k, bp + g * k * n,
+                       kTransposedRight ? k : n, cp + (g * m + r0) * n, n);
+               });
   return ffi::Error::Success();
 }
 
@@ -104,15 +114,13 @@ ffi::Error OverRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
   const int64_t groups = ad[0], r = ad[1], k = ad[2], n = bd[2];
   if (bd[1] != r)
     return ffi::Error::InvalidArgument("VitGemmOverRows: a's and b's R differ");
-  const Blocks columns(n, std::max<int64_t>(tasks, 1), 16);
   const float *ap = a.typed_data(), *bp = b.typed_data();
   float* cp = c->typed_data();
-  ForEachTask(pool, groups * columns.count(), [=](int64_t task) {
-    const int64_t g = task / columns.count(), block = task % columns.count();
-    const int64_t c0 = columns.Start(block);
-    Sgemm('T', 'N', k, columns.Length(block), r, ap + g * r * k, k,
-          bp + g * r * n + c0, n, cp + g * k * n + c0, n);
-  });
+  ForEachBlock(pool, groups, Blocks(n, tasks, 16),
+               [=](int64_t g, int64_t c0, int64_t columns) {
+                 Sgemm('T', 'N', k, columns, r, ap + g * r * k, k,
+                       bp + g * r * n + c0, n, cp + g * k * n + c0, n);
+               });
   return ffi::Error::Success();
 }
 
