@@ -223,6 +223,8 @@ def classify(instruction: Instruction, module: HloModule,
       return "attention kernel (C++)", 0.0
     if target == "VitTransposeToBfloat16":  # matmuls' bf16 weight gradients
       return "bfloat16 transposes (C++)", 0.0
+    if target.startswith("VitLayerNorm"):
+      return "LayerNorm", 0.0
     if target in _GEMM_TARGETS:
       return _GEMM_TARGETS[target][0], gemm_flops(instruction, module, target)
     return "other custom calls", 0.0

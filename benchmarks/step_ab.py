@@ -51,7 +51,9 @@ variant's program, over those the model's matmul_dtype asks for
 the step nearly free, the data flow around it kept (`free_part`):
 "kernel_gradients" (each Dense kernel's gradient from 16 rows instead of
 all), "gelu" (the identity in its place, the bias kept), "layer_norm" (its
-scale and offset without the statistics): the most a faster kernel for
+scale and offset without the statistics, in the place of Flax's LayerNorm:
+it sets layer_norm_implementation to "xla" unless the variant's fields
+name one): the most a faster kernel for
 that part could win. Like the elementwise core, they only measure: the
 outputs are not the model's.
 
@@ -257,6 +259,8 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
     # Both replace XLA's weight-gradient products, which "auto" replaces
     # with oneDNN's on a CPU where it loads.
     fields = dict({"matmul_implementation": "xla"}, **fields)
+  if free == "layer_norm":  # replaces Flax's LayerNorm, not the C++ kernel
+    fields = dict({"layer_norm_implementation": "xla"}, **fields)
   model = vit.VisionTransformer(num_classes=throughput.NUM_CLASSES,
                                    patch_size=patch,
                                    **dict(throughput.DIMS, **fields))

@@ -108,15 +108,17 @@ _DIMS = dict(num_classes=10, patch_size=4, hidden_size=64, num_layers=2,
 
 
 @needs_onednn
-def test_the_model_takes_onednn_on_cpu_with_xlas_values():
-  """"auto" on a CPU: every encoder Dense product in oneDNN, on each
+def test_the_model_takes_the_cpu_kernels_with_xlas_values():
+  """"auto" on a CPU: every encoder Dense product in oneDNN and both
+  LayerNorms of every block in the C++ kernel (`cpu_layer_norm`), on each
   device's rows; the loss and every parameter's gradient as XLA's."""
   mesh = sharding.make_mesh()
   images = jax.device_put(
       _normal(8, 16, 16, 16, 3),
       NamedSharding(mesh, PartitionSpec(sharding.MESH_AXES)))
-  models = {impl: vit.VisionTransformer(**_DIMS, matmul_implementation=impl)
-            for impl in ("auto", "xla")}
+  models = {"auto": vit.VisionTransformer(**_DIMS),
+            "xla": vit.VisionTransformer(**_DIMS, matmul_implementation="xla",
+                                         layer_norm_implementation="xla")}
   params = models["xla"].init(jax.random.key(0), images[:2], train=False)
   leaves, tree = jax.tree.flatten(params)
   params = jax.tree.unflatten(tree, [  # a head that is not all zeros
@@ -127,9 +129,13 @@ def test_the_model_takes_onednn_on_cpu_with_xlas_values():
         model.apply(p, images, train=False) ** 2)))
     program = step.lower(params).compile().as_text()
     # 2 blocks x 4 Dense layers x 3 products, less the last block's
-    # query-only projection gradients' sharing: at least 20 calls.
-    calls = program.count('custom_call_target="VitGemm')
-    assert (calls >= 20) if impl == "auto" else calls == 0, calls
+    # query-only projection gradients' sharing: at least 20 calls; the
+    # blocks' 4 LayerNorms forward and backward (the final one is Flax's).
+    calls = (program.count('custom_call_target="VitGemm'),
+             program.count('custom_call_target="VitLayerNormForward"'),
+             program.count('custom_call_target="VitLayerNormBackward"'))
+    assert ((calls[0] >= 20 and calls[1:] == (4, 4)) if impl == "auto"
+            else calls == (0, 0, 0)), calls
     assert "all-gather" not in program
     results[impl] = step(params)
   (loss, grads), (loss_ref, grads_ref) = results["auto"], results["xla"]

@@ -119,6 +119,11 @@ def test_unknown_choices_are_rejected_before_data(tmp_path):
   with pytest.raises(ValueError, match="matmul_implementation='mkl' is not "
                      "one of .*'auto'"):
     loop.train_and_evaluate(config, str(tmp_path / "work"))
+  config.model.matmul_implementation = "auto"
+  config.model.layer_norm_implementation = "apex"
+  with pytest.raises(ValueError, match="layer_norm_implementation='apex' is "
+                     "not one of .*'cpu_kernel'"):
+    loop.train_and_evaluate(config, str(tmp_path / "work"))
 
 
 def test_init_from_npz_resizes_reheads_and_reports(tmp_path, capsys, caplog):

@@ -14,7 +14,7 @@ import ml_collections
 from vit_jax.checkpoints import pretrained
 from vit_jax.config import derived
 from vit_jax.data import augment, file_sources, image_folder, tfds_source
-from vit_jax.kernels import matmuls
+from vit_jax.kernels import cpu_layer_norm, matmuls
 from vit_jax.model import vit
 from vit_jax.runtime import sharding
 from vit_jax.training import optim
@@ -153,6 +153,13 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
         f"config.model.matmul_implementation={model.matmul_implementation!r} "
         f"is not one of {matmuls.IMPLEMENTATIONS}: 'auto' (oneDNN's products "
         "for float32 on a CPU, XLA's elsewhere), 'onednn' or 'xla'.")
+  if model.layer_norm_implementation not in cpu_layer_norm.IMPLEMENTATIONS:
+    raise ValueError(
+        "config.model.layer_norm_implementation="
+        f"{model.layer_norm_implementation!r} is not one of "
+        f"{cpu_layer_norm.IMPLEMENTATIONS}: 'auto' (the C++ kernel for "
+        "float32 on a CPU, Flax's LayerNorm elsewhere), 'cpu_kernel' or "
+        "'xla'.")
 
 
 def _validate_file_data(config: ml_collections.ConfigDict) -> None:

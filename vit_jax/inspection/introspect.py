@@ -169,11 +169,12 @@ def parameter_summary(params, depth: int = 2) -> list[tuple[str, int]]:
 def xla_operations_only(model: nn.Module) -> nn.Module:
   """`model` with its attention core as einsums and its Dense products as
   XLA's dots, for XLA's cost analysis, which counts no FLOPs inside custom
-  calls such as the CPU attention kernel's (`kernels.cpu_attention`) or
-  oneDNN's products (`kernels.cpu_gemm`). The same parameters and
+  calls such as the CPU attention kernel's (`kernels.cpu_attention`),
+  oneDNN's products (`kernels.cpu_gemm`) or the LayerNorm kernel's. The same parameters and
   values."""
   changes = {field: value for field, value in (
-      ("attention_implementation", "einsum"), ("matmul_implementation", "xla"))
+      ("attention_implementation", "einsum"), ("matmul_implementation", "xla"),
+      ("layer_norm_implementation", "xla"))
              if getattr(model, field, value) != value}
   return model.clone(**changes) if changes else model
 

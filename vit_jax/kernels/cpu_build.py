@@ -2,8 +2,8 @@
 
 The kernels (`csrc/*.cc`: the attention core in float32 and with bfloat16
 operands, `cpu_attention.py`; the bfloat16 transpose, `cpu_transpose.py`;
-the Dense layers' products through oneDNN, `cpu_gemm.py`; the headers they
-share) are XLA FFI handlers in one shared
+the Dense layers' products through oneDNN, `cpu_gemm.py`; LayerNorm,
+`cpu_layer_norm.py`; the headers they share) are XLA FFI handlers in one shared
 library, compiled from source with the system's C++ compiler (`$CXX`, else
 `c++`) the first time one is needed on a machine, for that machine's CPU
 (-march=native on x86, -mcpu=native on Arm), and cached under
@@ -36,7 +36,7 @@ from jax.interpreters import batching, mlir
 _CSRC = pathlib.Path(__file__).parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in (
     "attention_cpu.cc", "attention_bf16_cpu.cc", "transpose_cpu.cc",
-    "gemm_cpu.cc"))
+    "gemm_cpu.cc", "layer_norm_cpu.cc"))
 HEADERS = tuple(_CSRC / name for name in (
     "attention_core.h", "attention_handlers.h", "amx_tiles.h",
     "parallel_tasks.h"))
@@ -52,7 +52,7 @@ TARGETS = ("VitAttentionForwardForTraining", "VitAttentionForwardForInference",
            "VitAttentionForwardForInferenceBf16",
            "VitAttentionBackward", "VitAttentionBackwardBf16",
            "VitTransposeToBfloat16", "VitGemm", "VitGemmTransposedRight",
-           "VitGemmOverRows")
+           "VitGemmOverRows", "VitLayerNormForward", "VitLayerNormBackward")
 
 
 def cache_dir() -> pathlib.Path:
@@ -119,17 +119,22 @@ def build(compiler: Optional[str] = None) -> pathlib.Path:
 def _compile(compiler: str, flags: tuple[str, ...],
              library: pathlib.Path) -> pathlib.Path:
   """Compiles the kernels into library; RuntimeError with the compiler's
-  message if it fails."""
+  message if it fails. The sources share one unnamed namespace: their
+  internal names must differ."""
   library.parent.mkdir(parents=True, exist_ok=True)
   # Built beside its final name and renamed into place: a concurrent
   # process (another host of a job) never loads a half-written file.
   handle, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
   os.close(handle)
+  # One translation unit that includes every source: XLA's FFI headers,
+  # most of a small source's compile time, are then parsed once (the build
+  # took 20 s this way against 30 s source by source on an Intel Xeon).
+  unit = "".join(f'#include "{source}"\n' for source in SOURCES)
   try:
     result = subprocess.run(
-        [compiler, *flags, f"-I{jax.ffi.include_dir()}",
-         *map(str, SOURCES), "-o", partial],
-        capture_output=True, text=True, check=False)
+        [compiler, *flags, f"-I{jax.ffi.include_dir()}", "-x", "c++", "-",
+         "-o", partial],
+        input=unit, capture_output=True, text=True, check=False)
     if result.returncode:
       raise RuntimeError(f"{compiler} failed to build the CPU kernels "
                          f"({', '.join(s.name for s in SOURCES)}):\n"

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from vit_jax.kernels import matmuls
+from vit_jax.kernels import cpu_layer_norm, matmuls
 from vit_jax.kernels.matmuls import per_token
 from vit_jax.model import options
 from vit_jax.model.self_attention import MultiHeadSelfAttention
@@ -83,10 +83,19 @@ class Encoder1DBlock(nn.Module):
   attention_implementation: str = "auto"
   approximate_gelu: bool = True
   layer_norm_epsilon: float = 1e-6
+  layer_norm_implementation: str = "auto"
   matmul_dtype: Optional[Dtype] = None
   matmul_implementation: str = "auto"
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+
+  def _layer_norm(self, name: str) -> nn.Module:
+    if cpu_layer_norm.resolve_implementation(
+        self.layer_norm_implementation, self.dtype) == "cpu_kernel":
+      return cpu_layer_norm.LayerNorm(epsilon=self.layer_norm_epsilon,
+                                      param_dtype=self.param_dtype, name=name)
+    return nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype,
+                        param_dtype=self.param_dtype, name=name)
 
   @nn.compact
   def __call__(self, x: jax.Array, *, deterministic: bool,
@@ -96,13 +105,10 @@ class Encoder1DBlock(nn.Module):
     uniforms = ((None, None) if drop_path_uniforms is None
                 else tuple(drop_path_uniforms))
     attention_key, residual_key, mlp_key = _split(dropout_key, 3)
-    norm = lambda name: nn.LayerNorm(
-        epsilon=self.layer_norm_epsilon, dtype=self.dtype,
-        param_dtype=self.param_dtype, name=name)
     products = matmuls.resolve_implementation(
         self.matmul_implementation, self.dtype, self.matmul_dtype)
     grouped = products == "onednn"  # each device's rows a group
-    y = per_token(norm("LayerNorm_0"), x, grouped)
+    y = per_token(self._layer_norm("LayerNorm_0"), x, grouped)
     y = MultiHeadSelfAttention(
         num_heads=self.num_heads,
         attention_dropout_rate=self.attention_dropout_rate,
@@ -120,7 +126,7 @@ class Encoder1DBlock(nn.Module):
     x = x + options.drop_path(self, y, self.drop_path_rate, deterministic,
                               uniforms[0])
 
-    y = per_token(norm("LayerNorm_2"), x, grouped)
+    y = per_token(self._layer_norm("LayerNorm_2"), x, grouped)
     y = per_token(functools.partial(MlpBlock(
         mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
         approximate_gelu=self.approximate_gelu,

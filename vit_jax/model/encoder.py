@@ -53,6 +53,7 @@ class Encoder(nn.Module):
   attention_implementation: str = "auto"
   approximate_gelu: bool = True
   layer_norm_epsilon: float = 1e-6
+  layer_norm_implementation: str = "auto"
   scan_blocks: bool = False
   remat_blocks: bool = False
   num_output_tokens: Optional[int] = None
@@ -121,6 +122,7 @@ class Encoder(nn.Module):
         attention_implementation=self.attention_implementation,
         approximate_gelu=self.approximate_gelu,
         layer_norm_epsilon=self.layer_norm_epsilon,
+        layer_norm_implementation=self.layer_norm_implementation,
         matmul_dtype=self.matmul_dtype,
         matmul_implementation=self.matmul_implementation, dtype=self.dtype,
         param_dtype=self.param_dtype, **module_kwargs)

@@ -1,0 +1,222 @@
+// LayerNorm over the last axis, forward and backward, as XLA FFI handlers;
+// vit_jax/kernels/cpu_layer_norm.py binds them and says why they exist.
+//
+// Every operand and result has a leading axis of G groups of rows (under a
+// batch-split mesh, each device's part); float32, row major:
+//   VitLayerNormForward   x (G, R, D), scale (G, D), bias (G, D)
+//                         -> y (G, R, D), mean (G, R), rstd (G, R)
+//   VitLayerNormBackward  x, scale, mean, rstd, dy (G, R, D)
+//                         -> dx (G, R, D), dscale (G, D), dbias (G, D)
+// with y = (x - mean) * rstd * scale + bias, rstd = 1 / sqrt(var + epsilon)
+// (var by two passes over the row, as a float64 reference computes it).
+// The attribute `tasks` splits each group's rows into that many blocks on
+// XLA's intra-op threads; each block sums its own rows' dscale and dbias,
+// then the blocks' sums are added per group (the caller's sum over G is the
+// gradient's all-reduce).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "parallel_tasks.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// 16 floats: one AVX-512 register, two AVX2 or four SSE/NEON ones (these
+// loops keep few vectors live, so the split costs no spills).
+constexpr int64_t kWidth = 16;
+typedef float Vec16 __attribute__((vector_size(kWidth * 4), aligned(4)));
+
+inline Vec16 Load16(const float* p) { return *reinterpret_cast<const Vec16*>(p); }
+inline void Store16(float* p, Vec16 v) { *reinterpret_cast<Vec16*>(p) = v; }
+inline float Sum16(Vec16 v) {
+  float sum = 0.0f;
+  for (int i = 0; i < kWidth; ++i) sum += v[i];
+  return sum;
+}
+
+// The row's mean and 1 / sqrt(variance + epsilon).
+inline void Moments(const float* x, int64_t d, float epsilon, float* mean,
+                    float* rstd) {
+  const int64_t whole = d / kWidth * kWidth;
+  Vec16 sum = {};
+  for (int64_t i = 0; i < whole; i += kWidth) sum += Load16(x + i);
+  float total = Sum16(sum);
+  for (int64_t i = whole; i < d; ++i) total += x[i];
+  const float m = total / d;
+  Vec16 squares = {};
+  for (int64_t i = 0; i < whole; i += kWidth) {
+    const Vec16 centred = Load16(x + i) - m;
+    squares += centred * centred;
+  }
+  float square_total = Sum16(squares);
+  for (int64_t i = whole; i < d; ++i) square_total += (x[i] - m) * (x[i] - m);
+  *mean = m;
+  *rstd = 1.0f / std::sqrt(square_total / d + epsilon);
+}
+
+void ForwardRows(const float* x, const float* scale, const float* bias,
+                 int64_t rows, int64_t d, float epsilon, float* y,
+                 float* mean, float* rstd) {
+  const int64_t whole = d / kWidth * kWidth;
+  for (int64_t r = 0; r < rows; ++r, x += d, y += d) {
+    Moments(x, d, epsilon, mean + r, rstd + r);
+    const float m = mean[r], s = rstd[r];
+    for (int64_t i = 0; i < whole; i += kWidth)
+      Store16(y + i, (Load16(x + i) - m) * s * Load16(scale + i) + Load16(bias + i));
+    for (int64_t i = whole; i < d; ++i)
+      y[i] = (x[i] - m) * s * scale[i] + bias[i];
+  }
+}
+
+// dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy scale; adds dy xhat
+// and dy to dscale and dbias.
+void BackwardRows(const float* x, const float* scale, const float* mean,
+                  const float* rstd, const float* dy, int64_t rows, int64_t d,
+                  float* dx, float* dscale, float* dbias) {
+  const int64_t whole = d / kWidth * kWidth;
+  for (int64_t r = 0; r < rows; ++r, x += d, dy += d, dx += d) {
+    const float m = mean[r], s = rstd[r];
+    Vec16 g_sum = {}, gx_sum = {};
+    for (int64_t i = 0; i < whole; i += kWidth) {
+      const Vec16 xhat = (Load16(x + i) - m) * s, dyi = Load16(dy + i);
+      const Vec16 g = dyi * Load16(scale + i);
+      g_sum += g;
+      gx_sum += g * xhat;
+      Store16(dscale + i, Load16(dscale + i) + dyi * xhat);
+      Store16(dbias + i, Load16(dbias + i) + dyi);
+    }
+    float g_total = Sum16(g_sum), gx_total = Sum16(gx_sum);
+    for (int64_t i = whole; i < d; ++i) {
+      const float xhat = (x[i] - m) * s, g = dy[i] * scale[i];
+      g_total += g;
+      gx_total += g * xhat;
+      dscale[i] += dy[i] * xhat;
+      dbias[i] += dy[i];
+    }
+    const float g_mean = g_total / d, gx_mean = gx_total / d;
+    for (int64_t i = 0; i < whole; i += kWidth) {
+      const Vec16 xhat = (Load16(x + i) - m) * s;
+      Store16(dx + i,
+            (Load16(dy + i) * Load16(scale + i) - g_mean - xhat * gx_mean) * s);
+    }
+    for (int64_t i = whole; i < d; ++i) {
+      const float xhat = (x[i] - m) * s;
+      dx[i] = (dy[i] * scale[i] - g_mean - xhat * gx_mean) * s;
+    }
+  }
+}
+
+// Rows [start, start + length) of each group's `rows` for block `task` of
+// `tasks`.
+struct RowBlock {
+  int64_t start, length;
+  RowBlock(int64_t rows, int64_t tasks, int64_t task) {
+    const int64_t per_task = (rows + tasks - 1) / tasks;
+    start = std::min(rows, task * per_task);
+    length = std::min(rows, start + per_task) - start;
+  }
+};
+
+ffi::Error LayerNormForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bias,
+                   ffi::ResultBuffer<ffi::F32> y,
+                   ffi::ResultBuffer<ffi::F32> mean,
+                   ffi::ResultBuffer<ffi::F32> rstd, float epsilon,
+                   int64_t tasks) {
+  auto xd = x.dimensions();
+  if (xd.size() != 3 || scale.dimensions().size() != 2 ||
+      scale.dimensions()[1] != xd[2] || bias.dimensions()[1] != xd[2])
+    return ffi::Error::InvalidArgument(
+        "VitLayerNormForward takes x (G, R, D), scale and bias (G, D)");
+  const int64_t groups = xd[0], rows = xd[1], d = xd[2];
+  tasks = std::max<int64_t>(tasks, 1);
+  const float *xp = x.typed_data(), *sp = scale.typed_data(),
+              *bp = bias.typed_data();
+  float *yp = y->typed_data(), *mp = mean->typed_data(),
+        *rp = rstd->typed_data();
+  ForEachTask(pool, groups * tasks, [=](int64_t item) {
+    const int64_t g = item / tasks;
+    const RowBlock block(rows, tasks, item % tasks);
+    const int64_t row = g * rows + block.start;
+    ForwardRows(xp + row * d, sp + g * d, bp + g * d, block.length, d,
+                epsilon, yp + row * d, mp + row, rp + row);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error LayerNormBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                    ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mean,
+                    ffi::Buffer<ffi::F32> rstd, ffi::Buffer<ffi::F32> dy,
+                    ffi::ResultBuffer<ffi::F32> dx,
+                    ffi::ResultBuffer<ffi::F32> dscale,
+                    ffi::ResultBuffer<ffi::F32> dbias, int64_t tasks) {
+  auto xd = x.dimensions();
+  if (xd.size() != 3 || dy.dimensions().size() != 3 ||
+      dy.dimensions()[1] != xd[1] || dy.dimensions()[2] != xd[2] ||
+      scale.dimensions().size() != 2 || scale.dimensions()[1] != xd[2])
+    return ffi::Error::InvalidArgument(
+        "VitLayerNormBackward takes x and dy (G, R, D), scale (G, D), mean "
+        "and rstd (G, R)");
+  const int64_t groups = xd[0], rows = xd[1], d = xd[2];
+  tasks = std::max<int64_t>(tasks, 1);
+  const float *xp = x.typed_data(), *sp = scale.typed_data(),
+              *mp = mean.typed_data(), *rp = rstd.typed_data(),
+              *dyp = dy.typed_data();
+  float* dxp = dx->typed_data();
+  // Each block's sums of dy xhat and dy, then added up per group.
+  std::vector<float> sums(2 * groups * tasks * d, 0.0f);
+  float* sums_p = sums.data();
+  ForEachTask(pool, groups * tasks, [=](int64_t item) {
+    const int64_t g = item / tasks;
+    const RowBlock block(rows, tasks, item % tasks);
+    const int64_t row = g * rows + block.start;
+    BackwardRows(xp + row * d, sp + g * d, mp + row, rp + row, dyp + row * d,
+                 block.length, d, dxp + row * d, sums_p + 2 * item * d,
+                 sums_p + (2 * item + 1) * d);
+  });
+  float *dsp = dscale->typed_data(), *dbp = dbias->typed_data();
+  for (int64_t g = 0; g < groups; ++g) {
+    std::fill(dsp + g * d, dsp + (g + 1) * d, 0.0f);
+    std::fill(dbp + g * d, dbp + (g + 1) * d, 0.0f);
+    for (int64_t t = 0; t < tasks; ++t) {
+      const float* item_sums = sums_p + 2 * (g * tasks + t) * d;
+      for (int64_t i = 0; i < d; ++i) {
+        dsp[g * d + i] += item_sums[i];
+        dbp[g * d + i] += item_sums[d + i];
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VitLayerNormForward, LayerNormForward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // bias
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // mean
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // rstd
+                                  .Attr<float>("epsilon")
+                                  .Attr<int64_t>("tasks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VitLayerNormBackward, LayerNormBackward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // mean
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // rstd
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dy
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dx
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dscale
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dbias
+                                  .Attr<int64_t>("tasks"));
