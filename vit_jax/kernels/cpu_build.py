@@ -3,7 +3,8 @@
 The kernels (`csrc/*.cc`: the attention core in float32 and with bfloat16
 operands, `cpu_attention.py`; the bfloat16 transpose, `cpu_transpose.py`;
 the Dense layers' products through oneDNN, `cpu_gemm.py`; LayerNorm,
-`cpu_layer_norm.py`; the headers they share) are XLA FFI handlers in one shared
+`cpu_layer_norm.py`; the MLP's GELU, `cpu_gelu.py`; the headers they
+share) are XLA FFI handlers in one shared
 library, compiled from source with the system's C++ compiler (`$CXX`, else
 `c++`) the first time one is needed on a machine, for that machine's CPU
 (-march=native on x86, -mcpu=native on Arm), and cached under
@@ -36,7 +37,7 @@ from jax.interpreters import batching, mlir
 _CSRC = pathlib.Path(__file__).parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in (
     "attention_cpu.cc", "attention_bf16_cpu.cc", "transpose_cpu.cc",
-    "gemm_cpu.cc", "layer_norm_cpu.cc"))
+    "gemm_cpu.cc", "layer_norm_cpu.cc", "gelu_cpu.cc"))
 HEADERS = tuple(_CSRC / name for name in (
     "attention_core.h", "attention_handlers.h", "amx_tiles.h",
     "parallel_tasks.h"))
@@ -52,7 +53,8 @@ TARGETS = ("VitAttentionForwardForTraining", "VitAttentionForwardForInference",
            "VitAttentionForwardForInferenceBf16",
            "VitAttentionBackward", "VitAttentionBackwardBf16",
            "VitTransposeToBfloat16", "VitGemm", "VitGemmTransposedRight",
-           "VitGemmOverRows", "VitLayerNormForward", "VitLayerNormBackward")
+           "VitGemmOverRows", "VitLayerNormForward", "VitLayerNormBackward",
+           "VitGelu", "VitGeluBackward")
 
 
 def cache_dir() -> pathlib.Path:

@@ -24,7 +24,8 @@ made by a C++ kernel (`_ynnpack_kernel_gradient`).
 
 With `implementation="onednn"` (float32 products on a CPU, which
 `resolve_implementation` picks for "auto") the layer's three products run
-through oneDNN's sgemm (`cpu_gemm`), on rows in groups (`per_token`).
+through oneDNN's sgemm (`cpu_gemm`), on rows in groups (`per_token`), and
+`gelu_dot_general`'s tanh-approximate GELU in a C++ kernel (`cpu_gelu`).
 """
 
 import functools
@@ -36,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vit_jax.kernels import cpu_build, cpu_gemm, cpu_transpose
+from vit_jax.kernels import cpu_build, cpu_gelu, cpu_gemm, cpu_transpose
 from vit_jax.runtime import host
 
 _OVER_ROWS = (((0,), (0,)), ((), ()))  # contract the first axes: a^T b
@@ -351,12 +352,28 @@ def dense_dot_general(inputs: jax.Array, kernel: jax.Array,
                 preferred_element_type, operand_dtype, implementation)
 
 
+def _takes_gelu_kernel(inputs, kernel, dimension_numbers, approximate,
+                       implementation) -> bool:
+  """Whether the GELU runs in the C++ kernel (`cpu_gelu`): the tanh
+  approximation, between products in oneDNN."""
+  return (approximate and implementation == "onednn"
+          and _is_dense_matmul(inputs, kernel, dimension_numbers))
+
+
+def _gelu(inputs, kernel, dimension_numbers, approximate, implementation):
+  if _takes_gelu_kernel(inputs, kernel, dimension_numbers, approximate,
+                        implementation):
+    grouped = _grouped_rows(inputs, len(dimension_numbers[0][0]))
+    return cpu_gelu.gelu(grouped).reshape(inputs.shape)
+  return nn.gelu(inputs, approximate=approximate)
+
+
 def _gelu_then_dot(inputs, kernel, dimension_numbers, precision,
                    preferred_element_type, approximate, operand_dtype=None,
                    implementation="xla"):
-  return _dot(nn.gelu(inputs, approximate=approximate), kernel,
-              dimension_numbers, precision, preferred_element_type,
-              operand_dtype, implementation)
+  return _dot(_gelu(inputs, kernel, dimension_numbers, approximate,
+                    implementation), kernel, dimension_numbers, precision,
+              preferred_element_type, operand_dtype, implementation)
 
 
 _gelu_dot = jax.custom_vjp(_gelu_then_dot,
@@ -376,14 +393,36 @@ def _gelu_dot_backward(dimension_numbers, precision, preferred_element_type,
                        output_grad):
   del preferred_element_type
   inputs, kernel = residuals
+  num_contracted = len(dimension_numbers[0][0])
+  if _takes_gelu_kernel(inputs, kernel, dimension_numbers, approximate,
+                        implementation):
+    return _gelu_kernel_backward(inputs, kernel, output_grad, num_contracted)
   activations, gelu_vjp = jax.vjp(
       functools.partial(nn.gelu, approximate=approximate),
       tie_to_gradient(inputs, output_grad))
   activations_grad, kernel_grad = _matmul_backward(
-      activations, kernel, output_grad, len(dimension_numbers[0][0]),
-      precision, operand_dtype, implementation)
+      activations, kernel, output_grad, num_contracted, precision,
+      operand_dtype, implementation)
   (inputs_grad,) = gelu_vjp(activations_grad)
   return inputs_grad, kernel_grad
+
+
+def _gelu_kernel_backward(inputs, kernel, output_grad, num_contracted):
+  """`_gelu_dot_backward` with the GELU in the C++ kernel and the products
+  in oneDNN: the activations' gradient first, then one pass over the
+  inputs gives the activations (for the kernel's gradient) and the
+  inputs' gradient."""
+  grouped = _grouped_rows(inputs, num_contracted)
+  depth = grouped.shape[2]
+  kernel_2d = kernel.reshape(depth, -1).astype(inputs.dtype)
+  output_grad = output_grad.astype(inputs.dtype).reshape(
+      grouped.shape[:2] + (kernel_2d.shape[1],))
+  activations_grad = cpu_gemm.rows_times_transposed(output_grad, kernel_2d)
+  activations, inputs_grad = cpu_gelu.gelu_and_gradient(grouped,
+                                                        activations_grad)
+  kernel_grad = cpu_gemm.rows_transposed_times(activations, output_grad)
+  return (inputs_grad.reshape(inputs.shape),
+          kernel_grad.reshape(kernel.shape).astype(kernel.dtype))
 
 
 _gelu_dot.defvjp(_gelu_dot_forward, _gelu_dot_backward)
