@@ -5,10 +5,10 @@ MLP's two products, its recomputation and its gradient in the backward
 pass are XLA loop fusions of their own, with a rational tanh; in a
 ViT-Ti/16 @224 train step on an Intel Xeon they and the MLP's biases took
 ~100 ms, 8.5% of the step (docs/performance.md). The kernel
-(`csrc/gelu_cpu.cc`) computes the tanh from an exponential in 16-float
-vectors and, in the backward pass, the activations (which the second
-product's weight gradient reads) and the GELU's gradient in one pass over
-its input.
+(`csrc/gelu_cpu.cc`) computes gelu(h) = h / (1 + exp(-2u)) in register-wide
+vectors, with the CPU's reciprocal estimate where there is one, and, in
+the backward pass, the activations (which the second product's weight
+gradient reads) and the GELU's gradient in one pass over its input.
 
 `matmuls.gelu_dot_general` calls it where the MLP's products run in
 oneDNN: on the same (G, rows, mlp_dim) groups of rows.

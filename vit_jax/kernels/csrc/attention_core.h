@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "vectors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -20,32 +21,16 @@ namespace ffi = xla::ffi;
 namespace {
 
 // Rows of probabilities and head_dim are multiples of kPad floats (the
-// Python side's LANES). A Vec is one hardware register of kLanes floats,
-// which divides kPad: a vector wider than the registers would be split by
-// the compiler, which then keeps a tile's accumulators on the stack (32x
-// slower with AVX2). Tiles of kMaxRows x kMaxVectors accumulators leave a
-// register for each of the VECTORS loads of B and one for A's broadcast.
+// Python side's LANES), which a Vec (vectors.h) divides. Tiles of
+// kMaxRows x kMaxVectors accumulators leave a register for each of the
+// VECTORS loads of B and one for A's broadcast.
 constexpr int kPad = 16;
-#if defined(__AVX512F__)
-constexpr int kLanes = 16, kMaxRows = 6, kMaxVectors = 4;  // 24 of 32 zmm
-#elif defined(__AVX2__)
-constexpr int kLanes = 8, kMaxRows = 6, kMaxVectors = 2;  // 12 of 16 ymm
-#elif defined(__aarch64__)
-constexpr int kLanes = 4, kMaxRows = 6, kMaxVectors = 4;  // 24 of 32 q
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int kMaxRows = 6, kMaxVectors = 4;  // 24 of 32 registers
 #else
-constexpr int kLanes = 4, kMaxRows = 6, kMaxVectors = 2;  // 12 of 16 xmm
+constexpr int kMaxRows = 6, kMaxVectors = 2;  // 12 of 16 registers
 #endif
 static_assert(kPad % kLanes == 0, "a row of kPad floats is whole vectors");
-typedef float Vec __attribute__((vector_size(kLanes * 4), aligned(4)));
-typedef int32_t IVec __attribute__((vector_size(kLanes * 4), aligned(4)));
-
-inline Vec Load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
-inline void Store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
-// x - 0 is x for every float (-0 included), so the compiler drops the
-// subtraction and broadcasts straight from memory; Vec{} + x would be an add
-// (0 + -0 is +0) and a register shuffle per splat: a third of the AVX2
-// tile's instructions, 16-24% of its products' time.
-inline Vec Splat(float x) { return x - Vec{}; }
 
 int64_t RoundUp(int64_t n) { return (n + kPad - 1) / kPad * kPad; }
 
@@ -113,31 +98,6 @@ void Transpose(int64_t rows, int64_t columns, const float* x,
     for (int64_t i = 0; i < rows; ++i) row[i] = x[i * columns + j];
     std::fill(row + rows, row + padded_rows, 0.0f);
   }
-}
-
-// exp(x) to about one ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor
-// series to degree 7 (truncation error below 6e-9), 2^n through the exponent
-// bits. Inputs are clamped to [-87, 88]: below, only the shifted logits'
-// far tail, whose exp (~1.6e-38) is nothing beside the row maximum's 1.
-inline Vec Exp(Vec x) {
-  const Vec low = Splat(-87.0f), high = Splat(88.0f);
-  x = x < low ? low : x;
-  x = x > high ? high : x;
-  const float kShifter = 12582912.0f;  // 1.5 * 2^23: adds round to integer
-  const Vec shifted = x * Splat(1.44269504088896341f) + Splat(kShifter);
-  const Vec n = shifted - Splat(kShifter);
-  const Vec r = (x - n * Splat(0.693359375f)) - n * Splat(-2.12194440e-4f);
-  Vec p = Splat(1.0f / 5040);
-  p = p * r + Splat(1.0f / 720);
-  p = p * r + Splat(1.0f / 120);
-  p = p * r + Splat(1.0f / 24);
-  p = p * r + Splat(1.0f / 6);
-  p = p * r + Splat(0.5f);
-  p = p * r + Splat(1.0f);
-  p = p * r + Splat(1.0f);
-  const IVec bits = reinterpret_cast<const IVec&>(shifted);
-  const IVec exponent = (bits - 0x4B400000 + 127) << 23;
-  return p * reinterpret_cast<const Vec&>(exponent);
 }
 
 // Rows of logits (padded width) -> probabilities in place; the padding -> 0.

@@ -6,7 +6,7 @@
 //   VitGelu          h -> gelu(h)
 //   VitGeluBackward  h, da -> gelu(h), da * gelu'(h)
 // gelu(h) = h / 2 (1 + tanh(u)), u = sqrt(2 / pi) (h + 0.044715 h^3), as
-// jax.nn.gelu(approximate=True) defines it. The backward pass returns the
+// jax.nn.gelu(approximate=True) defines it, computed as h / (1 + exp(-2u)). The backward pass returns the
 // activations too: the weight gradient of the product that reads them
 // needs them, and the pass has h in registers already. The attribute
 // `tasks` splits each group into that many blocks on XLA's intra-op
@@ -15,75 +15,63 @@
 #include <algorithm>
 #include <cstdint>
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "parallel_tasks.h"
+#include "vectors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// 16 floats: one AVX-512 register, two AVX2 or four SSE/NEON ones.
-constexpr int64_t kGeluWidth = 16;
-typedef float GeluVec __attribute__((vector_size(kGeluWidth * 4), aligned(4)));
-typedef int32_t GeluIntVec
-    __attribute__((vector_size(kGeluWidth * 4), aligned(4)));
-
-// exp(x) for x in [-19, 0]: x = n ln 2 + r with |r| <= ln 2 / 2, exp(r) by
-// its Taylor series to r^7 (relative error < 1e-8 there), times 2^n built
-// in the exponent bits.
-inline GeluVec ExpOfNegative(GeluVec x) {
-  const float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to int
-  const GeluVec n = (x * 1.44269504f + kRound) - kRound;
-  // ln 2 in two parts, so that n ln 2 is subtracted without rounding.
-  const GeluVec r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-  GeluVec p = 1.0f / 5040.0f + r * (1.0f / 40320.0f);
-  p = 1.0f / 720.0f + r * p;
-  p = 1.0f / 120.0f + r * p;
-  p = 1.0f / 24.0f + r * p;
-  p = 1.0f / 6.0f + r * p;
-  p = 0.5f + r * p;
-  p = 1.0f + r * p;
-  p = 1.0f + r * p;
-  const GeluIntVec bits = (__builtin_convertvector(n, GeluIntVec) + 127) << 23;
-  return p * (GeluVec)bits;  // the same bits, read as floats
-}
-
-// tanh(u) = sign(u) (1 - e) / (1 + e), e = exp(-2 |u|); |u| >= 9 gives
-// +-1 in float32.
-inline GeluVec Tanh(GeluVec u) {
-  const GeluVec magnitude = u < 0.0f ? -u : u;
-  const GeluVec e = ExpOfNegative(
-      -2.0f * (magnitude < 9.0f ? magnitude : GeluVec{} + 9.0f));
-  const GeluVec t = (1.0f - e) / (1.0f + e);
-  return u < 0.0f ? -t : t;
+// 1 / x for x >= 1: the CPU's reciprocal estimate (14 bits with AVX-512,
+// 12 with AVX2) and a Newton step, to about float rounding at a fraction
+// of a division's cost; a division elsewhere.
+inline Vec Reciprocal(Vec x) {
+#if defined(__AVX512F__)
+  const Vec estimate = (Vec)_mm512_rcp14_ps((__m512)x);
+#elif defined(__AVX2__)
+  const Vec estimate = (Vec)_mm256_rcp_ps((__m256)x);
+#else
+  const Vec estimate = 1.0f / x;  // the Newton step below keeps it
+#endif
+  return estimate * (2.0f - x * estimate);
 }
 
 constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
 
-inline GeluVec Gelu(GeluVec h) {
-  const GeluVec t = Tanh(kSqrt2OverPi * (h + kCubic * h * h * h));
-  return 0.5f * h * (1.0f + t);
+// (1 + tanh(u)) / 2 = 1 / (1 + exp(-2u)), u = sqrt(2 / pi) h (1 + c h^2).
+inline Vec HalfOnePlusTanh(Vec h, Vec h2) {
+  const Vec minus_2u = (-2.0f * kSqrt2OverPi) * h * (1.0f + kCubic * h2);
+  return Reciprocal(1.0f + Exp(minus_2u));  // Exp clamps to [-87, 88]
 }
 
-// gelu(h) and da * gelu'(h).
-inline void GeluAndGradient(GeluVec h, GeluVec da, GeluVec* a, GeluVec* dh) {
-  const GeluVec h2 = h * h;
-  const GeluVec t = Tanh(kSqrt2OverPi * h * (1.0f + kCubic * h2));
-  *a = 0.5f * h * (1.0f + t);
-  *dh = da * (0.5f * (1.0f + t) + 0.5f * h * (1.0f - t * t) * kSqrt2OverPi *
-                                      (1.0f + 3.0f * kCubic * h2));
+inline Vec Gelu(Vec h) { return h * HalfOnePlusTanh(h, h * h); }
+
+// gelu(h) and da * gelu'(h), with s = (1 + tanh(u)) / 2:
+// gelu' = s + h s (1 - s) 2 sqrt(2 / pi) (1 + 3 c h^2).
+inline void GeluAndGradient(Vec h, Vec da, Vec* a, Vec* dh) {
+  const Vec h2 = h * h;
+  const Vec s = HalfOnePlusTanh(h, h2);
+  *a = h * s;
+  *dh = da * (s + *a * (1.0f - s) * (2.0f * kSqrt2OverPi) *
+                      (1.0f + 3.0f * kCubic * h2));
 }
 
-inline GeluVec LoadGelu(const float* p, int64_t count) {
-  if (count == kGeluWidth) return *reinterpret_cast<const GeluVec*>(p);
-  GeluVec v = {};
+// The first `count` floats at p (at most kLanes), the rest zeros.
+inline Vec LoadPart(const float* p, int64_t count) {
+  if (count == kLanes) return Load(p);
+  Vec v = {};
   for (int64_t i = 0; i < count; ++i) v[i] = p[i];
   return v;
 }
 
-inline void StoreGelu(float* p, GeluVec v, int64_t count) {
-  if (count == kGeluWidth) {
-    *reinterpret_cast<GeluVec*>(p) = v;
+inline void StorePart(float* p, Vec v, int64_t count) {
+  if (count == kLanes) {
+    Store(p, v);
     return;
   }
   for (int64_t i = 0; i < count; ++i) p[i] = v[i];
@@ -96,7 +84,7 @@ void ForEachGeluBlock(ffi::ThreadPool& pool, int64_t groups, int64_t n,
                       int64_t tasks, Work work) {
   tasks = std::max<int64_t>(tasks, 1);
   const int64_t per_task =
-      ((n + tasks - 1) / tasks + kGeluWidth - 1) / kGeluWidth * kGeluWidth;
+      ((n + tasks - 1) / tasks + kLanes - 1) / kLanes * kLanes;
   const int64_t blocks = std::max<int64_t>(1, (n + per_task - 1) / per_task);
   ForEachTask(pool, groups * blocks, [=](int64_t item) {
     const int64_t start = std::min(n, item % blocks * per_task);
@@ -113,9 +101,9 @@ ffi::Error GeluForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
   const float* hp = h.typed_data();
   float* ap = a->typed_data();
   ForEachGeluBlock(pool, groups, n, tasks, [=](int64_t start, int64_t length) {
-    for (int64_t i = 0; i < length; i += kGeluWidth) {
-      const int64_t count = std::min(kGeluWidth, length - i);
-      StoreGelu(ap + start + i, Gelu(LoadGelu(hp + start + i, count)), count);
+    for (int64_t i = 0; i < length; i += kLanes) {
+      const int64_t count = std::min<int64_t>(kLanes, length - i);
+      StorePart(ap + start + i, Gelu(LoadPart(hp + start + i, count)), count);
     }
   });
   return ffi::Error::Success();
@@ -133,13 +121,14 @@ ffi::Error GeluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
   const float *hp = h.typed_data(), *dap = da.typed_data();
   float *ap = a->typed_data(), *dhp = dh->typed_data();
   ForEachGeluBlock(pool, groups, n, tasks, [=](int64_t start, int64_t length) {
-    for (int64_t i = 0; i < length; i += kGeluWidth) {
-      const int64_t count = std::min(kGeluWidth, length - i), at = start + i;
-      GeluVec activations, gradient;
-      GeluAndGradient(LoadGelu(hp + at, count), LoadGelu(dap + at, count),
+    for (int64_t i = 0; i < length; i += kLanes) {
+      const int64_t count = std::min<int64_t>(kLanes, length - i);
+      const int64_t at = start + i;
+      Vec activations, gradient;
+      GeluAndGradient(LoadPart(hp + at, count), LoadPart(dap + at, count),
                       &activations, &gradient);
-      StoreGelu(ap + at, activations, count);
-      StoreGelu(dhp + at, gradient, count);
+      StorePart(ap + at, activations, count);
+      StorePart(dhp + at, gradient, count);
     }
   });
   return ffi::Error::Success();

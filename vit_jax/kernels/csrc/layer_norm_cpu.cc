@@ -20,40 +20,34 @@
 #include <vector>
 
 #include "parallel_tasks.h"
+#include "vectors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// 16 floats: one AVX-512 register, two AVX2 or four SSE/NEON ones (these
-// loops keep few vectors live, so the split costs no spills).
-constexpr int64_t kWidth = 16;
-typedef float Vec16 __attribute__((vector_size(kWidth * 4), aligned(4)));
-
-inline Vec16 Load16(const float* p) { return *reinterpret_cast<const Vec16*>(p); }
-inline void Store16(float* p, Vec16 v) { *reinterpret_cast<Vec16*>(p) = v; }
-inline float Sum16(Vec16 v) {
+inline float SumOfLanes(Vec v) {
   float sum = 0.0f;
-  for (int i = 0; i < kWidth; ++i) sum += v[i];
+  for (int i = 0; i < kLanes; ++i) sum += v[i];
   return sum;
 }
 
 // The row's mean and 1 / sqrt(variance + epsilon).
 inline void Moments(const float* x, int64_t d, float epsilon, float* mean,
                     float* rstd) {
-  const int64_t whole = d / kWidth * kWidth;
-  Vec16 sum = {};
-  for (int64_t i = 0; i < whole; i += kWidth) sum += Load16(x + i);
-  float total = Sum16(sum);
+  const int64_t whole = d / kLanes * kLanes;
+  Vec sum = {};
+  for (int64_t i = 0; i < whole; i += kLanes) sum += Load(x + i);
+  float total = SumOfLanes(sum);
   for (int64_t i = whole; i < d; ++i) total += x[i];
   const float m = total / d;
-  Vec16 squares = {};
-  for (int64_t i = 0; i < whole; i += kWidth) {
-    const Vec16 centred = Load16(x + i) - m;
+  Vec squares = {};
+  for (int64_t i = 0; i < whole; i += kLanes) {
+    const Vec centred = Load(x + i) - m;
     squares += centred * centred;
   }
-  float square_total = Sum16(squares);
+  float square_total = SumOfLanes(squares);
   for (int64_t i = whole; i < d; ++i) square_total += (x[i] - m) * (x[i] - m);
   *mean = m;
   *rstd = 1.0f / std::sqrt(square_total / d + epsilon);
@@ -62,12 +56,12 @@ inline void Moments(const float* x, int64_t d, float epsilon, float* mean,
 void ForwardRows(const float* x, const float* scale, const float* bias,
                  int64_t rows, int64_t d, float epsilon, float* y,
                  float* mean, float* rstd) {
-  const int64_t whole = d / kWidth * kWidth;
+  const int64_t whole = d / kLanes * kLanes;
   for (int64_t r = 0; r < rows; ++r, x += d, y += d) {
     Moments(x, d, epsilon, mean + r, rstd + r);
     const float m = mean[r], s = rstd[r];
-    for (int64_t i = 0; i < whole; i += kWidth)
-      Store16(y + i, (Load16(x + i) - m) * s * Load16(scale + i) + Load16(bias + i));
+    for (int64_t i = 0; i < whole; i += kLanes)
+      Store(y + i, (Load(x + i) - m) * s * Load(scale + i) + Load(bias + i));
     for (int64_t i = whole; i < d; ++i)
       y[i] = (x[i] - m) * s * scale[i] + bias[i];
   }
@@ -78,19 +72,19 @@ void ForwardRows(const float* x, const float* scale, const float* bias,
 void BackwardRows(const float* x, const float* scale, const float* mean,
                   const float* rstd, const float* dy, int64_t rows, int64_t d,
                   float* dx, float* dscale, float* dbias) {
-  const int64_t whole = d / kWidth * kWidth;
+  const int64_t whole = d / kLanes * kLanes;
   for (int64_t r = 0; r < rows; ++r, x += d, dy += d, dx += d) {
     const float m = mean[r], s = rstd[r];
-    Vec16 g_sum = {}, gx_sum = {};
-    for (int64_t i = 0; i < whole; i += kWidth) {
-      const Vec16 xhat = (Load16(x + i) - m) * s, dyi = Load16(dy + i);
-      const Vec16 g = dyi * Load16(scale + i);
+    Vec g_sum = {}, gx_sum = {};
+    for (int64_t i = 0; i < whole; i += kLanes) {
+      const Vec xhat = (Load(x + i) - m) * s, dyi = Load(dy + i);
+      const Vec g = dyi * Load(scale + i);
       g_sum += g;
       gx_sum += g * xhat;
-      Store16(dscale + i, Load16(dscale + i) + dyi * xhat);
-      Store16(dbias + i, Load16(dbias + i) + dyi);
+      Store(dscale + i, Load(dscale + i) + dyi * xhat);
+      Store(dbias + i, Load(dbias + i) + dyi);
     }
-    float g_total = Sum16(g_sum), gx_total = Sum16(gx_sum);
+    float g_total = SumOfLanes(g_sum), gx_total = SumOfLanes(gx_sum);
     for (int64_t i = whole; i < d; ++i) {
       const float xhat = (x[i] - m) * s, g = dy[i] * scale[i];
       g_total += g;
@@ -99,10 +93,10 @@ void BackwardRows(const float* x, const float* scale, const float* mean,
       dbias[i] += dy[i];
     }
     const float g_mean = g_total / d, gx_mean = gx_total / d;
-    for (int64_t i = 0; i < whole; i += kWidth) {
-      const Vec16 xhat = (Load16(x + i) - m) * s;
-      Store16(dx + i,
-            (Load16(dy + i) * Load16(scale + i) - g_mean - xhat * gx_mean) * s);
+    for (int64_t i = 0; i < whole; i += kLanes) {
+      const Vec xhat = (Load(x + i) - m) * s;
+      Store(dx + i,
+            (Load(dy + i) * Load(scale + i) - g_mean - xhat * gx_mean) * s);
     }
     for (int64_t i = whole; i < d; ++i) {
       const float xhat = (x[i] - m) * s;
