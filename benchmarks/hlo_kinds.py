@@ -225,6 +225,8 @@ def classify(instruction: Instruction, module: HloModule,
       return "bfloat16 transposes (C++)", 0.0
     if target.startswith("VitLayerNorm"):
       return "LayerNorm", 0.0
+    if target.startswith("VitGelu"):
+      return "GELU and MLP bias", 0.0
     if target in _GEMM_TARGETS:
       return _GEMM_TARGETS[target][0], gemm_flops(instruction, module, target)
     return "other custom calls", 0.0

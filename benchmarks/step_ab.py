@@ -191,18 +191,22 @@ def _kernel_gradient_of_16_rows(inputs, output_grad, precision=None,
 def free_part(part: str):
   """While active (around tracing), `part` of the model costs almost
   nothing (the module docstring's --a_free); "none" changes nothing."""
-  saved = (matmuls.kernel_gradient, nn.gelu, nn.LayerNorm)
+  saved = (matmuls.kernel_gradient, nn.gelu, nn.LayerNorm,
+           matmuls._takes_gelu_kernel)  # pylint: disable=protected-access
   jax.clear_caches()  # as in elementwise_core
   if part == "kernel_gradients":
     matmuls.kernel_gradient = _kernel_gradient_of_16_rows
   elif part == "gelu":
     nn.gelu = lambda x, approximate=True: x
+    # Flax's GELU, not the C++ one between oneDNN's products.
+    matmuls._takes_gelu_kernel = lambda *_: False  # pylint: disable=protected-access
   elif part == "layer_norm":
     nn.LayerNorm = ScaleAndOffset
   try:
     yield
   finally:
-    matmuls.kernel_gradient, nn.gelu, nn.LayerNorm = saved
+    (matmuls.kernel_gradient, nn.gelu, nn.LayerNorm,
+     matmuls._takes_gelu_kernel) = saved  # pylint: disable=protected-access
     jax.clear_caches()
 
 

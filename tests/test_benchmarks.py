@@ -230,11 +230,12 @@ def test_step_ab_free_parts_take_out_only_their_part():
   step_ab = _benchmark_module("step_ab")
   from vit_jax.kernels import matmuls  # pylint: disable=import-outside-toplevel
   from vit_jax.model import vit  # pylint: disable=import-outside-toplevel
-  # XLA's products: the ones whose kernel gradients step_ab can replace
-  # (it runs such variants so).
+  # XLA's products and Flax's LayerNorm: the ones whose kernel gradients
+  # and statistics step_ab can replace (it runs such variants so).
   model = vit.VisionTransformer(num_classes=3, patch_size=4, hidden_size=16,
                                 num_layers=1, num_heads=1, mlp_dim=32,
-                                matmul_implementation="xla")
+                                matmul_implementation="xla",
+                                layer_norm_implementation="xla")
   images = jnp.ones((2, 16, 16, 3))
   shapes = lambda: jax.tree.map(jnp.shape, model.init(
       jax.random.PRNGKey(0), images)["params"])

@@ -109,9 +109,10 @@ _DIMS = dict(num_classes=10, patch_size=4, hidden_size=64, num_layers=2,
 
 @needs_onednn
 def test_the_model_takes_the_cpu_kernels_with_xlas_values():
-  """"auto" on a CPU: every encoder Dense product in oneDNN and both
-  LayerNorms of every block in the C++ kernel (`cpu_layer_norm`), on each
-  device's rows; the loss and every parameter's gradient as XLA's."""
+  """"auto" on a CPU: every encoder Dense product in oneDNN, both
+  LayerNorms of every block in the C++ kernel (`cpu_layer_norm`) and the
+  MLP's GELU in another (`cpu_gelu`), on each device's rows; the loss and
+  every parameter's gradient as XLA's."""
   mesh = sharding.make_mesh()
   images = jax.device_put(
       _normal(8, 16, 16, 16, 3),
@@ -130,12 +131,14 @@ def test_the_model_takes_the_cpu_kernels_with_xlas_values():
     program = step.lower(params).compile().as_text()
     # 2 blocks x 4 Dense layers x 3 products, less the last block's
     # query-only projection gradients' sharing: at least 20 calls; the
-    # blocks' 4 LayerNorms forward and backward (the final one is Flax's).
-    calls = (program.count('custom_call_target="VitGemm'),
-             program.count('custom_call_target="VitLayerNormForward"'),
-             program.count('custom_call_target="VitLayerNormBackward"'))
-    assert ((calls[0] >= 20 and calls[1:] == (4, 4)) if impl == "auto"
-            else calls == (0, 0, 0)), calls
+    # blocks' 4 LayerNorms forward and backward (the final one is Flax's),
+    # their 2 GELUs.
+    calls = [program.count(f'custom_call_target="{target}"') for target in (
+        "VitLayerNormForward", "VitLayerNormBackward", "VitGelu",
+        "VitGeluBackward")]
+    calls.append(program.count('custom_call_target="VitGemm'))
+    assert ((calls[:4] == [4, 4, 2, 2] and calls[4] >= 20) if impl == "auto"
+            else calls == [0] * 5), calls
     assert "all-gather" not in program
     results[impl] = step(params)
   (loss, grads), (loss_ref, grads_ref) = results["auto"], results["xla"]

@@ -1,0 +1,109 @@
+"""The MLP's tanh GELU as a C++ kernel (`cpu_gelu`), and where
+`matmuls.gelu_dot_general` takes it; the model with it:
+tests/kernels/test_cpu_gemm.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from vit_jax.kernels import cpu_build, cpu_gelu, cpu_gemm, matmuls
+from vit_jax.runtime import sharding
+
+needs_kernels = pytest.mark.skipif(
+    cpu_build.problem() is not None,
+    reason=f"the C++ kernels cannot run: {cpu_build.problem()}")
+
+
+def _inputs(seed: int, *shape: int) -> np.ndarray:
+  """Normal values times 3, and the far tails and zeros of both signs."""
+  x = np.random.default_rng(seed).normal(size=shape).astype(np.float32) * 3
+  flat = x.reshape(-1)
+  extremes = [0.0, -0.0, 1e-20, -1e-20, 9.0, -9.0, 30.0, -30.0, 1e4, -1e4]
+  flat[:len(extremes)] = extremes[:flat.size]
+  return x
+
+
+def _gelu_and_gradient_f64(h, activations_grad):
+  """gelu(h) and its vjp, by JAX's autodiff in float64."""
+  with jax.enable_x64(True):
+    h64 = jnp.asarray(h, jnp.float64)
+    activations, vjp = jax.vjp(
+        lambda x: jax.nn.gelu(x, approximate=True), h64)
+    (h_grad,) = vjp(jnp.asarray(activations_grad, jnp.float64))
+    return np.asarray(activations), np.asarray(h_grad)
+
+
+@needs_kernels
+@pytest.mark.parametrize("tasks", [1, 3])
+@pytest.mark.parametrize("shape", [(2, 197, 64), (3, 5, 17), (1, 7)])
+def test_values_and_gradients_match_a_float64_reference(monkeypatch, tasks,
+                                                        shape):
+  """Every group split into `tasks` blocks, lengths that are not whole
+  vectors, and tails where tanh saturates or exp would overflow."""
+  monkeypatch.setattr(cpu_gemm, "tasks_per_device", lambda: tasks)
+  h = _inputs(0, *shape)
+  activations_grad = np.random.default_rng(1).normal(size=shape).astype(
+      np.float32)
+  expected, expected_grad = _gelu_and_gradient_f64(h, activations_grad)
+  forward = jax.jit(cpu_gelu.gelu)(h)
+  activations, h_grad = jax.jit(cpu_gelu.gelu_and_gradient)(
+      h, activations_grad)
+  for result, reference in ((forward, expected), (activations, expected),
+                            (h_grad, expected_grad)):
+    assert result.shape == shape and result.dtype == jnp.float32
+    assert np.all(np.isfinite(result))
+    np.testing.assert_allclose(result, reference, rtol=2e-6, atol=1e-6)
+
+
+@needs_kernels
+def test_under_a_batch_split_mesh_each_device_takes_its_own_rows():
+  mesh = sharding.make_mesh()
+  count = mesh.devices.size
+  rows = NamedSharding(mesh, PartitionSpec(sharding.MESH_AXES))
+  h = jax.device_put(_inputs(2, count, 12, 40), rows)
+  activations_grad = jax.device_put(_inputs(3, count, 12, 40), rows)
+  step = jax.jit(cpu_gelu.gelu_and_gradient)
+  program = step.lower(h, activations_grad).compile().as_text()
+  assert "all-gather" not in program and "VitGeluBackward" in program
+  activations, h_grad = step(h, activations_grad)
+  assert {s.data.shape for s in h_grad.addressable_shards} == {(1, 12, 40)}
+  expected, expected_grad = _gelu_and_gradient_f64(h, activations_grad)
+  np.testing.assert_allclose(activations, expected, rtol=2e-6, atol=1e-6)
+  np.testing.assert_allclose(h_grad, expected_grad, rtol=2e-6, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("approximate,implementation,kernel", [
+    (True, "onednn", True), (False, "onednn", False), (True, "xla", False)])
+def test_gelu_dot_general_takes_the_kernel_for_the_tanh_between_onednn_products(
+    monkeypatch, approximate, implementation, kernel):
+  """The tanh GELU between oneDNN's products runs in the kernel, forward
+  and backward; the exact (erf) GELU and XLA's products keep XLA's."""
+  if implementation == "onednn" and cpu_gemm.problem() is not None:
+    pytest.skip(f"the oneDNN products cannot run: {cpu_gemm.problem()}")
+  normal = np.random.default_rng(4).normal
+  x = normal(size=(2, 30, 24)).astype(np.float32) * 3
+  weights = normal(size=(24, 16)).astype(np.float32) / 5
+  numbers = (((2,), (0,)), ((), ()))
+  dot_general = matmuls.gelu_dot_general(approximate, None, implementation)
+  loss = jax.jit(jax.grad(lambda x, w: jnp.sum(
+      jnp.sin(dot_general(x, w, numbers))), argnums=(0, 1)))
+  program = loss.lower(x, weights).as_text()
+  assert (("VitGelu" in program) and ("VitGeluBackward" in program)) == kernel
+  reference = jax.grad(lambda x, w: jnp.sum(jnp.sin(jnp.einsum(
+      "brk,kn->brn", jax.nn.gelu(x, approximate=approximate), w))),
+                       argnums=(0, 1))
+  for result, expected in zip(loss(x, weights), reference(x, weights)):
+    np.testing.assert_allclose(result, expected, rtol=1e-4,
+                               atol=1e-5 * np.abs(expected).max())
+
+
+@needs_kernels
+def test_wrong_operands_are_named():
+  with pytest.raises(ValueError, match=r"float32 arrays of one shape.*"
+                     r"float32\[2, 3\]', 'float32\[2, 4\]"):
+    cpu_gelu.gelu_and_gradient(jnp.ones((2, 3)), jnp.ones((2, 4)))
+  with pytest.raises(ValueError, match=r"bfloat16\[2, 3\]"):
+    cpu_gelu.gelu(jnp.ones((2, 3), jnp.bfloat16))
