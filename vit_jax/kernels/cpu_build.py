@@ -40,7 +40,7 @@ SOURCES = tuple(_CSRC / name for name in (
     "gemm_cpu.cc", "layer_norm_cpu.cc", "gelu_cpu.cc"))
 HEADERS = tuple(_CSRC / name for name in (
     "attention_core.h", "attention_handlers.h", "amx_tiles.h",
-    "parallel_tasks.h"))
+    "parallel_tasks.h", "vectors.h"))
 _FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC",
           "-w")
 # The instruction set the kernels are compiled for: this CPU's by default;

@@ -52,11 +52,11 @@ def resolve_implementation(requested: str, dtype: Any, device: Any = None
                      "where it can run and Flax's LayerNorm elsewhere.")
   return "xla"
 
+
 _FORWARD = cpu_build.batch_partitionable(
     "VitLayerNormForward",
     lambda x, scale, bias: [(x.shape, x.dtype), (x.shape[:2], x.dtype),
                             (x.shape[:2], x.dtype)], 1)
-
 _BACKWARD = cpu_build.batch_partitionable(
     "VitLayerNormBackward",
     lambda x, scale, *_: [(x.shape, x.dtype), (scale.shape, x.dtype),
