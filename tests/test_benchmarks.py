@@ -222,9 +222,9 @@ def test_step_ab_elementwise_core_takes_the_attention_core_out():
 
 def test_step_ab_free_parts_take_out_only_their_part():
   """step_ab's --b_free: while a part is made free a ViT traces without
-  that part's work (GELU's tanh, LayerNorm's rsqrt, the kernels' gradients
-  over every row) and with the same parameters; before and after, the
-  model is whole."""
+  that part's work (GELU's tanh or kernel, LayerNorm's rsqrt, the
+  kernels' gradients over every row) and with the same parameters; before
+  and after, the model is whole."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   step_ab = _benchmark_module("step_ab")
@@ -244,10 +244,11 @@ def test_step_ab_free_parts_take_out_only_their_part():
   loss = lambda params: model.apply({"params": params}, images).sum()
   program = lambda: str(jax.make_jaxpr(jax.grad(loss))(params))
   whole = program()
-  for part, gone in (("gelu", "tanh"), ("layer_norm", "rsqrt")):
-    assert gone in whole
+  # The GELU is XLA's tanh, or the C++ kernel's call where it builds.
+  for part, gone in (("gelu", ("tanh", "VitGelu")), ("layer_norm", ("rsqrt",))):
+    assert any(marker in whole for marker in gone)
     with step_ab.free_part(part):
-      assert gone not in program(), part
+      assert not any(marker in program() for marker in gone), part
       assert shapes() == expected_shapes, part
     assert program() == whole
   with step_ab.free_part("kernel_gradients"):

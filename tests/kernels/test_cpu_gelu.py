@@ -75,19 +75,22 @@ def test_under_a_batch_split_mesh_each_device_takes_its_own_rows():
 
 
 @needs_kernels
-@pytest.mark.parametrize("approximate,implementation,kernel", [
-    (True, "onednn", True), (False, "onednn", False), (True, "xla", False)])
-def test_gelu_dot_general_takes_the_kernel_for_the_tanh_between_onednn_products(
-    monkeypatch, approximate, implementation, kernel):
-  """The tanh GELU between oneDNN's products runs in the kernel, forward
-  and backward; the exact (erf) GELU and XLA's products keep XLA's."""
+@pytest.mark.parametrize("approximate,operand_dtype,implementation,kernel", [
+    (True, None, "onednn", True), (False, None, "onednn", False),
+    (True, None, "xla", True), (True, jnp.bfloat16, "xla", True)])
+def test_gelu_dot_general_takes_the_kernel_for_the_tanh_gelu(
+    approximate, operand_dtype, implementation, kernel):
+  """The tanh GELU of float32 inputs runs in the kernel, forward and
+  backward, whichever the products (oneDNN's, XLA's, with bfloat16
+  operands); the exact (erf) GELU keeps XLA's."""
   if implementation == "onednn" and cpu_gemm.problem() is not None:
     pytest.skip(f"the oneDNN products cannot run: {cpu_gemm.problem()}")
   normal = np.random.default_rng(4).normal
   x = normal(size=(2, 30, 24)).astype(np.float32) * 3
   weights = normal(size=(24, 16)).astype(np.float32) / 5
   numbers = (((2,), (0,)), ((), ()))
-  dot_general = matmuls.gelu_dot_general(approximate, None, implementation)
+  dot_general = matmuls.gelu_dot_general(approximate, operand_dtype,
+                                         implementation)
   loss = jax.jit(jax.grad(lambda x, w: jnp.sum(
       jnp.sin(dot_general(x, w, numbers))), argnums=(0, 1)))
   program = loss.lower(x, weights).as_text()
@@ -95,9 +98,10 @@ def test_gelu_dot_general_takes_the_kernel_for_the_tanh_between_onednn_products(
   reference = jax.grad(lambda x, w: jnp.sum(jnp.sin(jnp.einsum(
       "brk,kn->brn", jax.nn.gelu(x, approximate=approximate), w))),
                        argnums=(0, 1))
+  tolerance = 1e-4 if operand_dtype is None else 2e-2  # bfloat16 operands
   for result, expected in zip(loss(x, weights), reference(x, weights)):
-    np.testing.assert_allclose(result, expected, rtol=1e-4,
-                               atol=1e-5 * np.abs(expected).max())
+    np.testing.assert_allclose(result, expected, rtol=tolerance,
+                               atol=tolerance * np.abs(expected).max())
 
 
 @needs_kernels

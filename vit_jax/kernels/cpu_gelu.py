@@ -10,8 +10,9 @@ vectors, with the CPU's reciprocal estimate where there is one, and, in
 the backward pass, the activations (which the second product's weight
 gradient reads) and the GELU's gradient in one pass over its input.
 
-`matmuls.gelu_dot_general` calls it where the MLP's products run in
-oneDNN: on the same (G, rows, mlp_dim) groups of rows.
+`matmuls.gelu_dot_general` calls it for float32 inputs on a CPU, on
+(G, rows, mlp_dim) groups of rows (those of the oneDNN products where
+they run).
 """
 
 import jax

@@ -24,8 +24,9 @@ made by a C++ kernel (`_ynnpack_kernel_gradient`).
 
 With `implementation="onednn"` (float32 products on a CPU, which
 `resolve_implementation` picks for "auto") the layer's three products run
-through oneDNN's sgemm (`cpu_gemm`), on rows in groups (`per_token`), and
-`gelu_dot_general`'s tanh-approximate GELU in a C++ kernel (`cpu_gelu`).
+through oneDNN's sgemm (`cpu_gemm`), on rows in groups (`per_token`).
+`gelu_dot_general`'s tanh-approximate GELU of float32 inputs runs in a C++
+kernel on a CPU (`cpu_gelu`), whichever the products.
 """
 
 import functools
@@ -355,9 +356,12 @@ def dense_dot_general(inputs: jax.Array, kernel: jax.Array,
 def _takes_gelu_kernel(inputs, kernel, dimension_numbers, approximate,
                        implementation) -> bool:
   """Whether the GELU runs in the C++ kernel (`cpu_gelu`): the tanh
-  approximation, between products in oneDNN."""
-  return (approximate and implementation == "onednn"
-          and _is_dense_matmul(inputs, kernel, dimension_numbers))
+  approximation of float32 inputs, on a CPU where the kernels build (as
+  they do wherever the products run in oneDNN)."""
+  if not (approximate and inputs.dtype == jnp.float32
+          and _is_dense_matmul(inputs, kernel, dimension_numbers)):
+    return False
+  return implementation == "onednn" or cpu_build.problem() is None
 
 
 def _gelu(inputs, kernel, dimension_numbers, approximate, implementation):
@@ -394,17 +398,28 @@ def _gelu_dot_backward(dimension_numbers, precision, preferred_element_type,
   del preferred_element_type
   inputs, kernel = residuals
   num_contracted = len(dimension_numbers[0][0])
-  if _takes_gelu_kernel(inputs, kernel, dimension_numbers, approximate,
-                        implementation):
+  if not _takes_gelu_kernel(inputs, kernel, dimension_numbers, approximate,
+                            implementation):
+    activations, gelu_vjp = jax.vjp(
+        functools.partial(nn.gelu, approximate=approximate),
+        tie_to_gradient(inputs, output_grad))
+    activations_grad, kernel_grad = _matmul_backward(
+        activations, kernel, output_grad, num_contracted, precision,
+        operand_dtype, implementation)
+    (inputs_grad,) = gelu_vjp(activations_grad)
+    return inputs_grad, kernel_grad
+  if implementation == "onednn":
     return _gelu_kernel_backward(inputs, kernel, output_grad, num_contracted)
-  activations, gelu_vjp = jax.vjp(
-      functools.partial(nn.gelu, approximate=approximate),
-      tie_to_gradient(inputs, output_grad))
+  # XLA's products (bfloat16 operands): the kernel's GELU recomputed for
+  # the weight gradient, then its gradient.
+  grouped = _grouped_rows(tie_to_gradient(inputs, output_grad), num_contracted)
+  activations = cpu_gelu.gelu(grouped).reshape(inputs.shape)
   activations_grad, kernel_grad = _matmul_backward(
       activations, kernel, output_grad, num_contracted, precision,
       operand_dtype, implementation)
-  (inputs_grad,) = gelu_vjp(activations_grad)
-  return inputs_grad, kernel_grad
+  _, inputs_grad = cpu_gelu.gelu_and_gradient(
+      grouped, activations_grad.reshape(grouped.shape))
+  return inputs_grad.reshape(inputs.shape), kernel_grad
 
 
 def _gelu_kernel_backward(inputs, kernel, output_grad, num_contracted):

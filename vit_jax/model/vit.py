@@ -86,7 +86,9 @@ class VisionTransformer(nn.Module):
     representation_size: if set, a Dense + tanh "pre-logits" layer of this
       width before the head (the paper's pre-training head).
     approximate_gelu: tanh-approximate GELU, as in the official JAX code and
-      its checkpoints; False gives the exact erf GELU of PyTorch models.
+      its checkpoints (in float32 on a CPU, a C++ kernel computes it:
+      `kernels.cpu_gelu`); False gives the exact erf GELU of PyTorch
+      models.
     layer_norm_epsilon: LayerNorm epsilon; 1e-6 as in the official code,
       torchvision and timm; Hugging Face ViT checkpoints use 1e-12.
     layer_norm_implementation: the encoder blocks' LayerNorms, one of
@@ -120,10 +122,9 @@ class VisionTransformer(nn.Module):
       `matmuls.IMPLEMENTATIONS`: "auto" (default) runs float32 products on
       a CPU through oneDNN's sgemm where it loads (`kernels.cpu_gemm`; the
       ViT-Ti/16 @224 train step 7% faster than with XLA's own dots on an
-      Intel Xeon; the tanh GELU between the MLP's products then runs in a
-      C++ kernel, `kernels.cpu_gelu`), XLA's dots elsewhere and for
-      bfloat16 operands; "onednn" or "xla" force one. Same parameters and
-      values, up to float rounding.
+      Intel Xeon), XLA's dots elsewhere and for bfloat16 operands;
+      "onednn" or "xla" force one. Same parameters and values, up to float
+      rounding.
     dtype: compute dtype (bfloat16 on GPU/TPU); logits are returned float32.
     param_dtype: dtype the parameters are stored in (keep float32).
   """
