@@ -408,34 +408,35 @@ def _gelu_dot_backward(dimension_numbers, precision, preferred_element_type,
         operand_dtype, implementation)
     (inputs_grad,) = gelu_vjp(activations_grad)
     return inputs_grad, kernel_grad
-  if implementation == "onednn":
-    return _gelu_kernel_backward(inputs, kernel, output_grad, num_contracted)
-  # XLA's products (bfloat16 operands): the kernel's GELU recomputed for
-  # the weight gradient, then its gradient.
-  grouped = _grouped_rows(tie_to_gradient(inputs, output_grad), num_contracted)
-  activations = cpu_gelu.gelu(grouped).reshape(inputs.shape)
-  activations_grad, kernel_grad = _matmul_backward(
-      activations, kernel, output_grad, num_contracted, precision,
-      operand_dtype, implementation)
-  _, inputs_grad = cpu_gelu.gelu_and_gradient(
-      grouped, activations_grad.reshape(grouped.shape))
-  return inputs_grad.reshape(inputs.shape), kernel_grad
+  return _gelu_kernel_backward(inputs, kernel, output_grad, num_contracted,
+                               precision, operand_dtype, implementation)
 
 
-def _gelu_kernel_backward(inputs, kernel, output_grad, num_contracted):
-  """`_gelu_dot_backward` with the GELU in the C++ kernel and the products
-  in oneDNN: the activations' gradient first, then one pass over the
-  inputs gives the activations (for the kernel's gradient) and the
-  inputs' gradient."""
+def _gelu_kernel_backward(inputs, kernel, output_grad, num_contracted,
+                          precision, operand_dtype, implementation):
+  """`_gelu_dot_backward` with the GELU in the C++ kernel: the activations'
+  gradient first, then one pass over the inputs gives the activations
+  (for the kernel's gradient) and the inputs' gradient."""
   grouped = _grouped_rows(inputs, num_contracted)
   depth = grouped.shape[2]
-  kernel_2d = kernel.reshape(depth, -1).astype(inputs.dtype)
-  output_grad = output_grad.astype(inputs.dtype).reshape(
-      grouped.shape[:2] + (kernel_2d.shape[1],))
-  activations_grad = cpu_gemm.rows_times_transposed(output_grad, kernel_2d)
-  activations, inputs_grad = cpu_gelu.gelu_and_gradient(grouped,
-                                                        activations_grad)
-  kernel_grad = cpu_gemm.rows_transposed_times(activations, output_grad)
+  kernel_2d = kernel.reshape(depth, -1)
+  onednn = implementation == "onednn"
+  if onednn:
+    output_grad = output_grad.astype(inputs.dtype).reshape(
+        grouped.shape[:2] + (kernel_2d.shape[1],))
+    activations_grad = cpu_gemm.rows_times_transposed(
+        output_grad, kernel_2d.astype(inputs.dtype))
+  else:
+    output_grad = output_grad.reshape(-1, kernel_2d.shape[1])
+    activations_grad = _product(output_grad.astype(kernel.dtype), kernel_2d,
+                                (((1,), (1,)), ((), ())), precision,
+                                operand_dtype)
+  activations, inputs_grad = cpu_gelu.gelu_and_gradient(
+      grouped, activations_grad.reshape(grouped.shape).astype(inputs.dtype))
+  kernel_grad = (cpu_gemm.rows_transposed_times(activations, output_grad)
+                 if onednn else
+                 kernel_gradient(activations.reshape(-1, depth), output_grad,
+                                 precision, operand_dtype))
   return (inputs_grad.reshape(inputs.shape),
           kernel_grad.reshape(kernel.shape).astype(kernel.dtype))
 
