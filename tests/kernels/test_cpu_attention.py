@@ -289,12 +289,15 @@ def test_the_kernel_can_be_built_for_an_older_instruction_set(
                     reason="x86 instruction sets")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])
 def test_the_avx2_and_sse_builds_match_the_reference_too(tmp_path, march):
-  """The kernel built for AVX2 (8-float vectors) or SSE (4-float vectors),
-  as on CPUs without AVX-512, passes this file's value and gradient tests
-  (run in a fresh process: a process loads one build)."""
+  """The kernels built for AVX2 (8-float vectors) or SSE (4-float vectors),
+  as on CPUs without AVX-512, pass this file's value and gradient tests
+  and the LayerNorm and GELU kernels' (run in a fresh process: a process
+  loads one build)."""
   result = run_python(
       "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-      "tests/kernels/test_cpu_attention.py", "-k",
+      "tests/kernels/test_cpu_attention.py",
+      "tests/kernels/test_cpu_layer_norm.py", "tests/kernels/test_cpu_gelu.py",
+      "-k",
       "float64_reference or extreme_logits or batch_split or vmap",
       env={cpu_build.MARCH_VARIABLE: march,
            "VIT_JAX_CACHE_DIR": str(tmp_path)})

@@ -240,6 +240,14 @@ def batch_partitionable(target: str, results: Callable, num_batch_dims: int
   return primitive
 
 
+def per_group(array: jax.Array, groups: int) -> jax.Array:
+  """array (a kernel, a scale) once per group, (groups, *array.shape): every
+  operand of a `batch_partitionable` call has the group axis, which the
+  partitioner slices. Under a batch-split mesh each device holds one
+  copy."""
+  return jnp.broadcast_to(array, (groups, *array.shape))
+
+
 def _factor_name(index: int) -> str:
   """Shardy's factor names: i, j, ..., z, then z_1, z_2, ..."""
   return chr(ord("i") + index) if index < 18 else f"z_{index - 17}"

@@ -125,17 +125,10 @@ def _check(name: str, grouped: tuple, kernel: Optional[jax.Array] = None
         + f", got {[f'{a.dtype}{list(a.shape)}' for a in arrays]}")
 
 
-def _per_group(kernel: jax.Array, groups: int) -> jax.Array:
-  """The kernel (K, N) once per group: every operand of a batch-partitioned
-  call has the group axis. Under a batch-split mesh each device holds one
-  copy."""
-  return jnp.broadcast_to(kernel, (groups, *kernel.shape))
-
-
 def rows_times(x: jax.Array, kernel: jax.Array) -> jax.Array:
   """x @ kernel per group: x (G, M, K), kernel (K, N) -> (G, M, N)."""
   _check("rows_times", (x,), kernel)
-  (result,) = _ROWS_TIMES.bind(x, _per_group(kernel, x.shape[0]),
+  (result,) = _ROWS_TIMES.bind(x, cpu_build.per_group(kernel, x.shape[0]),
                                tasks=tasks_per_device())
   return result
 
@@ -146,7 +139,7 @@ def rows_times_transposed(output_grad: jax.Array, kernel: jax.Array
   K)."""
   _check("rows_times_transposed", (output_grad,), kernel)
   (result,) = _ROWS_TIMES_TRANSPOSED.bind(
-      output_grad, _per_group(kernel, output_grad.shape[0]),
+      output_grad, cpu_build.per_group(kernel, output_grad.shape[0]),
       tasks=tasks_per_device())
   return result
 

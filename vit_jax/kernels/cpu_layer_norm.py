@@ -63,10 +63,6 @@ _BACKWARD = cpu_build.batch_partitionable(
                           (scale.shape, x.dtype)], 1)
 
 
-def _per_group(parameter: jax.Array, groups: int) -> jax.Array:
-  return jnp.broadcast_to(parameter, (groups, *parameter.shape))
-
-
 def _check(x: jax.Array, scale: jax.Array, bias: jax.Array) -> None:
   if (x.ndim != 3 or scale.shape != x.shape[2:] or bias.shape != x.shape[2:]
       or any(a.dtype != jnp.float32 for a in (x, scale, bias))):
@@ -87,7 +83,7 @@ def _layer_norm_forward(x, scale, bias, epsilon):
   _check(x, scale, bias)
   groups = x.shape[0]
   y, mean, rstd = _FORWARD.bind(
-      x, _per_group(scale, groups), _per_group(bias, groups),
+      x, cpu_build.per_group(scale, groups), cpu_build.per_group(bias, groups),
       epsilon=np.float32(epsilon), tasks=cpu_gemm.tasks_per_device())
   return y, (x, scale, mean, rstd)
 
@@ -96,7 +92,7 @@ def _layer_norm_backward(epsilon, residuals, output_grad):
   del epsilon  # rstd holds it
   x, scale, mean, rstd = residuals
   x_grad, scale_grads, bias_grads = _BACKWARD.bind(
-      x, _per_group(scale, x.shape[0]), mean, rstd, output_grad,
+      x, cpu_build.per_group(scale, x.shape[0]), mean, rstd, output_grad,
       tasks=cpu_gemm.tasks_per_device())
   return x_grad, scale_grads.sum(axis=0), bias_grads.sum(axis=0)
 

@@ -6,11 +6,11 @@
 //   VitGelu          h -> gelu(h)
 //   VitGeluBackward  h, da -> gelu(h), da * gelu'(h)
 // gelu(h) = h / 2 (1 + tanh(u)), u = sqrt(2 / pi) (h + 0.044715 h^3), as
-// jax.nn.gelu(approximate=True) defines it, computed as h / (1 + exp(-2u)). The backward pass returns the
-// activations too: the weight gradient of the product that reads them
-// needs them, and the pass has h in registers already. The attribute
-// `tasks` splits each group into that many blocks on XLA's intra-op
-// threads.
+// jax.nn.gelu(approximate=True) defines it, computed as h / (1 + exp(-2u)).
+// The backward pass returns the activations too: the weight gradient of
+// the product that reads them needs them, and the pass has h in registers
+// already. The attribute `tasks` splits each group into that many blocks
+// on XLA's intra-op threads.
 
 #include <algorithm>
 #include <cstdint>
@@ -43,21 +43,29 @@ inline Vec Reciprocal(Vec x) {
 
 constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
 
-// (1 + tanh(u)) / 2 = 1 / (1 + exp(-2u)), u = sqrt(2 / pi) h (1 + c h^2).
-inline Vec HalfOnePlusTanh(Vec h, Vec h2) {
+// (1 + tanh(u)) / 2 = 1 / (1 + e), e = exp(-2u), u = sqrt(2 / pi) h (1 +
+// c h^2); e to *e_out.
+inline Vec HalfOnePlusTanh(Vec h, Vec h2, Vec* e_out) {
   const Vec minus_2u = (-2.0f * kSqrt2OverPi) * h * (1.0f + kCubic * h2);
-  return Reciprocal(1.0f + Exp(minus_2u));  // Exp clamps to [-87, 88]
+  *e_out = Exp(minus_2u);  // Exp clamps to [-87, 88]
+  return Reciprocal(1.0f + *e_out);
 }
 
-inline Vec Gelu(Vec h) { return h * HalfOnePlusTanh(h, h * h); }
+inline Vec Gelu(Vec h) {
+  Vec e;
+  return h * HalfOnePlusTanh(h, h * h, &e);
+}
 
 // gelu(h) and da * gelu'(h), with s = (1 + tanh(u)) / 2:
-// gelu' = s + h s (1 - s) 2 sqrt(2 / pi) (1 + 3 c h^2).
+// gelu' = s + h s (1 - s) 2 sqrt(2 / pi) (1 + 3 c h^2), where 1 - s is
+// taken as e s: 1 - s itself would keep the reciprocal estimate's last-bit
+// error where s rounds to 1, which h^3 then magnifies.
 inline void GeluAndGradient(Vec h, Vec da, Vec* a, Vec* dh) {
   const Vec h2 = h * h;
-  const Vec s = HalfOnePlusTanh(h, h2);
+  Vec e;
+  const Vec s = HalfOnePlusTanh(h, h2, &e);
   *a = h * s;
-  *dh = da * (s + *a * (1.0f - s) * (2.0f * kSqrt2OverPi) *
+  *dh = da * (s + *a * e * s * (2.0f * kSqrt2OverPi) *
                       (1.0f + 3.0f * kCubic * h2));
 }
 
@@ -77,21 +85,6 @@ inline void StorePart(float* p, Vec v, int64_t count) {
   for (int64_t i = 0; i < count; ++i) p[i] = v[i];
 }
 
-// Runs work(start, length) over each group's n values, split into `tasks`
-// blocks of whole vectors, on XLA's intra-op threads.
-template <typename Work>
-void ForEachGeluBlock(ffi::ThreadPool& pool, int64_t groups, int64_t n,
-                      int64_t tasks, Work work) {
-  tasks = std::max<int64_t>(tasks, 1);
-  const int64_t per_task =
-      ((n + tasks - 1) / tasks + kLanes - 1) / kLanes * kLanes;
-  const int64_t blocks = std::max<int64_t>(1, (n + per_task - 1) / per_task);
-  ForEachTask(pool, groups * blocks, [=](int64_t item) {
-    const int64_t start = std::min(n, item % blocks * per_task);
-    work(item / blocks * n + start, std::min(n, start + per_task) - start);
-  });
-}
-
 ffi::Error GeluForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
                        ffi::ResultBuffer<ffi::F32> a, int64_t tasks) {
   if (h.dimensions().size() == 0)
@@ -100,12 +93,14 @@ ffi::Error GeluForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
   const int64_t n = groups ? h.element_count() / groups : 0;
   const float* hp = h.typed_data();
   float* ap = a->typed_data();
-  ForEachGeluBlock(pool, groups, n, tasks, [=](int64_t start, int64_t length) {
-    for (int64_t i = 0; i < length; i += kLanes) {
-      const int64_t count = std::min<int64_t>(kLanes, length - i);
-      StorePart(ap + start + i, Gelu(LoadPart(hp + start + i, count)), count);
-    }
-  });
+  ForEachBlock(pool, groups, Blocks(n, tasks, kLanes),
+               [=](int64_t g, int64_t start, int64_t length) {
+                 const int64_t end = g * n + start + length;
+                 for (int64_t i = g * n + start; i < end; i += kLanes) {
+                   const int64_t count = std::min<int64_t>(kLanes, end - i);
+                   StorePart(ap + i, Gelu(LoadPart(hp + i, count)), count);
+                 }
+               });
   return ffi::Error::Success();
 }
 
@@ -120,17 +115,19 @@ ffi::Error GeluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
   const int64_t n = groups ? h.element_count() / groups : 0;
   const float *hp = h.typed_data(), *dap = da.typed_data();
   float *ap = a->typed_data(), *dhp = dh->typed_data();
-  ForEachGeluBlock(pool, groups, n, tasks, [=](int64_t start, int64_t length) {
-    for (int64_t i = 0; i < length; i += kLanes) {
-      const int64_t count = std::min<int64_t>(kLanes, length - i);
-      const int64_t at = start + i;
-      Vec activations, gradient;
-      GeluAndGradient(LoadPart(hp + at, count), LoadPart(dap + at, count),
-                      &activations, &gradient);
-      StorePart(ap + at, activations, count);
-      StorePart(dhp + at, gradient, count);
-    }
-  });
+  ForEachBlock(pool, groups, Blocks(n, tasks, kLanes),
+               [=](int64_t g, int64_t start, int64_t length) {
+                 const int64_t end = g * n + start + length;
+                 for (int64_t i = g * n + start; i < end; i += kLanes) {
+                   const int64_t count = std::min<int64_t>(kLanes, end - i);
+                   Vec activations, gradient;
+                   GeluAndGradient(LoadPart(hp + i, count),
+                                   LoadPart(dap + i, count), &activations,
+                                   &gradient);
+                   StorePart(ap + i, activations, count);
+                   StorePart(dhp + i, gradient, count);
+                 }
+               });
   return ffi::Error::Success();
 }
 

@@ -32,31 +32,6 @@ typedef void (*SetThreadsFunction)(int);
 SgemmFunction sgemm = nullptr;
 SetThreadsFunction set_omp_threads = nullptr;
 
-// Blocks of `size` in multiples of `align` for `tasks` tasks (at least
-// one): the first index of block i is Start(i).
-struct Blocks {
-  int64_t size, step;
-  Blocks(int64_t size, int64_t tasks, int64_t align) : size(size) {
-    tasks = std::max<int64_t>(tasks, 1);
-    const int64_t per_task = (size + tasks - 1) / tasks;
-    step = std::max<int64_t>(align, (per_task + align - 1) / align * align);
-  }
-  int64_t count() const { return (size + step - 1) / step; }
-  int64_t Start(int64_t i) const { return std::min(size, i * step); }
-  int64_t Length(int64_t i) const { return Start(i + 1) - Start(i); }
-};
-
-// Runs work(group, start, length) for every block of every group, as tasks
-// on XLA's intra-op threads.
-template <typename Work>
-void ForEachBlock(ffi::ThreadPool& pool, int64_t groups, const Blocks& blocks,
-                  Work work) {
-  ForEachTask(pool, groups * blocks.count(), [=](int64_t task) {
-    const int64_t block = task % blocks.count();
-    work(task / blocks.count(), blocks.Start(block), blocks.Length(block));
-  });
-}
-
 void Sgemm(char transa, char transb, int64_t m, int64_t n, int64_t k,
            const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
            int64_t ldc) {

@@ -105,17 +105,6 @@ void BackwardRows(const float* x, const float* scale, const float* mean,
   }
 }
 
-// Rows [start, start + length) of each group's `rows` for block `task` of
-// `tasks`.
-struct RowBlock {
-  int64_t start, length;
-  RowBlock(int64_t rows, int64_t tasks, int64_t task) {
-    const int64_t per_task = (rows + tasks - 1) / tasks;
-    start = std::min(rows, task * per_task);
-    length = std::min(rows, start + per_task) - start;
-  }
-};
-
 ffi::Error LayerNormForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                    ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bias,
                    ffi::ResultBuffer<ffi::F32> y,
@@ -128,18 +117,16 @@ ffi::Error LayerNormForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument(
         "VitLayerNormForward takes x (G, R, D), scale and bias (G, D)");
   const int64_t groups = xd[0], rows = xd[1], d = xd[2];
-  tasks = std::max<int64_t>(tasks, 1);
   const float *xp = x.typed_data(), *sp = scale.typed_data(),
               *bp = bias.typed_data();
   float *yp = y->typed_data(), *mp = mean->typed_data(),
         *rp = rstd->typed_data();
-  ForEachTask(pool, groups * tasks, [=](int64_t item) {
-    const int64_t g = item / tasks;
-    const RowBlock block(rows, tasks, item % tasks);
-    const int64_t row = g * rows + block.start;
-    ForwardRows(xp + row * d, sp + g * d, bp + g * d, block.length, d,
-                epsilon, yp + row * d, mp + row, rp + row);
-  });
+  ForEachBlock(pool, groups, Blocks(rows, tasks, 1),
+               [=](int64_t g, int64_t start, int64_t length) {
+                 const int64_t row = g * rows + start;
+                 ForwardRows(xp + row * d, sp + g * d, bp + g * d, length, d,
+                             epsilon, yp + row * d, mp + row, rp + row);
+               });
   return ffi::Error::Success();
 }
 
@@ -157,31 +144,33 @@ ffi::Error LayerNormBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         "VitLayerNormBackward takes x and dy (G, R, D), scale (G, D), mean "
         "and rstd (G, R)");
   const int64_t groups = xd[0], rows = xd[1], d = xd[2];
-  tasks = std::max<int64_t>(tasks, 1);
   const float *xp = x.typed_data(), *sp = scale.typed_data(),
               *mp = mean.typed_data(), *rp = rstd.typed_data(),
               *dyp = dy.typed_data();
   float* dxp = dx->typed_data();
   // Each block's sums of dy xhat and dy, then added up per group.
-  std::vector<float> sums(2 * groups * tasks * d, 0.0f);
+  const Blocks blocks(rows, tasks, 1);
+  const int64_t count = blocks.count();
+  std::vector<float> sums(2 * groups * count * d, 0.0f);
   float* sums_p = sums.data();
-  ForEachTask(pool, groups * tasks, [=](int64_t item) {
-    const int64_t g = item / tasks;
-    const RowBlock block(rows, tasks, item % tasks);
-    const int64_t row = g * rows + block.start;
-    BackwardRows(xp + row * d, sp + g * d, mp + row, rp + row, dyp + row * d,
-                 block.length, d, dxp + row * d, sums_p + 2 * item * d,
-                 sums_p + (2 * item + 1) * d);
-  });
+  ForEachBlock(pool, groups, blocks,
+               [=](int64_t g, int64_t start, int64_t length) {
+                 const int64_t row = g * rows + start;
+                 float* block_sums =
+                     sums_p + 2 * (g * count + start / blocks.step) * d;
+                 BackwardRows(xp + row * d, sp + g * d, mp + row, rp + row,
+                              dyp + row * d, length, d, dxp + row * d,
+                              block_sums, block_sums + d);
+               });
   float *dsp = dscale->typed_data(), *dbp = dbias->typed_data();
   for (int64_t g = 0; g < groups; ++g) {
     std::fill(dsp + g * d, dsp + (g + 1) * d, 0.0f);
     std::fill(dbp + g * d, dbp + (g + 1) * d, 0.0f);
-    for (int64_t t = 0; t < tasks; ++t) {
-      const float* item_sums = sums_p + 2 * (g * tasks + t) * d;
+    for (int64_t b = 0; b < count; ++b) {
+      const float* block_sums = sums_p + 2 * (g * count + b) * d;
       for (int64_t i = 0; i < d; ++i) {
-        dsp[g * d + i] += item_sums[i];
-        dbp[g * d + i] += item_sums[d + i];
+        dsp[g * d + i] += block_sums[i];
+        dbp[g * d + i] += block_sums[d + i];
       }
     }
   }

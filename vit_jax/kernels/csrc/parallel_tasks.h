@@ -1,5 +1,6 @@
-// Runs a kernel's independent tasks on XLA's intra-op threads. Internal to
-// the kernels' sources (attention_handlers.h, gemm_cpu.cc).
+// Runs a kernel's independent tasks on XLA's intra-op threads, and splits
+// an axis into blocks for them. Internal to the kernels' sources
+// (attention_handlers.h, gemm_cpu.cc, layer_norm_cpu.cc, gelu_cpu.cc).
 
 #ifndef VIT_JAX_KERNELS_CSRC_PARALLEL_TASKS_H_
 #define VIT_JAX_KERNELS_CSRC_PARALLEL_TASKS_H_
@@ -41,6 +42,31 @@ void ForEachTask(xla::ffi::ThreadPool& pool, int64_t tasks, Work work) {
   run();
   std::unique_lock<std::mutex> lock(state->mutex);
   state->finished.wait(lock, [&] { return state->done.load() == tasks; });
+}
+
+// Blocks of `size` in multiples of `align` for `tasks` tasks (at least
+// one): the first index of block i is Start(i).
+struct Blocks {
+  int64_t size, step;
+  Blocks(int64_t size, int64_t tasks, int64_t align) : size(size) {
+    tasks = std::max<int64_t>(tasks, 1);
+    const int64_t per_task = (size + tasks - 1) / tasks;
+    step = std::max<int64_t>(align, (per_task + align - 1) / align * align);
+  }
+  int64_t count() const { return (size + step - 1) / step; }
+  int64_t Start(int64_t i) const { return std::min(size, i * step); }
+  int64_t Length(int64_t i) const { return Start(i + 1) - Start(i); }
+};
+
+// Runs work(group, start, length) for every block of every group, as tasks
+// on XLA's intra-op threads.
+template <typename Work>
+void ForEachBlock(xla::ffi::ThreadPool& pool, int64_t groups,
+                  const Blocks& blocks, Work work) {
+  ForEachTask(pool, groups * blocks.count(), [=](int64_t task) {
+    const int64_t block = task % blocks.count();
+    work(task / blocks.count(), blocks.Start(block), blocks.Length(block));
+  });
 }
 
 }  // namespace
