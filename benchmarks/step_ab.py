@@ -148,15 +148,18 @@ def float32_attention_kernel():
   """While active (around tracing), the C++ attention kernel's products
   stay float32 whatever the model's matmul_dtype (as before they took
   bfloat16 operands with it)."""
-  real_core = cpu_attention.attention_core
+  real = cpu_attention.self_attention, cpu_attention.query_attention
   jax.clear_caches()  # as in elementwise_core
-  cpu_attention.attention_core = (
-      lambda query, key, value, operand_dtype=None: real_core(query, key,
-                                                              value))
+  cpu_attention.self_attention = (
+      lambda projections, scale, operand_dtype=None: real[0](projections,
+                                                             scale))
+  cpu_attention.query_attention = (
+      lambda query, keys_values, scale, operand_dtype=None: real[1](
+          query, keys_values, scale))
   try:
     yield
   finally:
-    cpu_attention.attention_core = real_core
+    cpu_attention.self_attention, cpu_attention.query_attention = real
     jax.clear_caches()
 
 

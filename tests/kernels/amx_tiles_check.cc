@@ -20,7 +20,7 @@ bool SameConfig(const TileConfig& a, const TileConfig& b) {
 }
 
 int Check(int64_t tq, int64_t tk, int64_t d) {
-  const Shape s{1, tq, tk, RoundUp(tk), d};
+  const Shape s{1, 1, tq, tk, RoundUp(tk), d, d, d, d, 0.125f};
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 0.5f);
   auto draw = [&](int64_t n) {

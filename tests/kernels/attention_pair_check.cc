@@ -19,14 +19,15 @@ namespace {
 using Matrix = std::vector<double>;
 constexpr double kTolerance = 3e-6;  // relative to the largest |value|
 
-// The forward pass and gradient of softmax(q k^T) v in double precision.
+// The forward pass and gradient of softmax(scale q k^T) v in double
+// precision; the operands contiguous.
 struct Reference {
   Matrix p, o, dq, dk, dv;
 };
 
 Reference Compute(int64_t tq, int64_t tk, int64_t d, const std::vector<float>& q,
                   const std::vector<float>& k, const std::vector<float>& v,
-                  const std::vector<float>& dout) {
+                  const std::vector<float>& dout, double scale) {
   Reference r{Matrix(tq * tk), Matrix(tq * d), Matrix(tq * d), Matrix(tk * d),
               Matrix(tk * d)};
   Matrix ds(tq * tk);
@@ -35,7 +36,7 @@ Reference Compute(int64_t tq, int64_t tk, int64_t d, const std::vector<float>& q
     for (int64_t j = 0; j < tk; ++j) {
       double s = 0.0;
       for (int64_t c = 0; c < d; ++c) s += double(q[i * d + c]) * k[j * d + c];
-      r.p[i * tk + j] = s;
+      r.p[i * tk + j] = s *= scale;
       row_max = std::max(row_max, s);
     }
     for (int64_t j = 0; j < tk; ++j)
@@ -53,7 +54,7 @@ Reference Compute(int64_t tq, int64_t tk, int64_t d, const std::vector<float>& q
     }
     for (int64_t j = 0; j < tk; ++j) {
       const double p = r.p[i * tk + j];
-      ds[i * tk + j] = p * (ds[i * tk + j] - dot);
+      ds[i * tk + j] = scale * p * (ds[i * tk + j] - dot);
       for (int64_t c = 0; c < d; ++c) {
         r.dv[j * d + c] += p * dout[i * d + c];
         r.dq[i * d + c] += ds[i * tk + j] * k[j * d + c];
@@ -79,6 +80,17 @@ double MaxError(const float* got, int64_t got_ld, const Matrix& want,
   return error / scale;
 }
 
+// rows x columns of x (contiguous) into a new array of rows ld floats apart
+// (the rest NaN, which a read there would spread).
+std::vector<float> Strided(const std::vector<float>& x, int64_t rows,
+                           int64_t columns, int64_t ld) {
+  std::vector<float> out(rows * ld, NAN);
+  for (int64_t i = 0; i < rows; ++i)
+    std::copy(x.begin() + i * columns, x.begin() + (i + 1) * columns,
+              out.begin() + i * ld);
+  return out;
+}
+
 bool Check(int64_t tq, int64_t tk, int64_t d, std::mt19937& rng) {
   std::normal_distribution<float> normal;
   auto draw = [&](int64_t n, float scale) {
@@ -86,17 +98,29 @@ bool Check(int64_t tq, int64_t tk, int64_t d, std::mt19937& rng) {
     for (float& value : x) value = scale * normal(rng);
     return x;
   };
-  // q scaled by 1/sqrt(d), as the model passes it; logits of order 1-3.
-  const std::vector<float> q = draw(tq * d, 1.5f / std::sqrt(float(d))),
-                           k = draw(tk * d, 1.0f), v = draw(tk * d, 1.0f),
-                           dout = draw(tq * d, 1.0f);
-  const Shape s{1, tq, tk, RoundUp(tk), d};
-  std::vector<float> o(tq * d), p(tq * s.padded_keys, NAN), dq(tq * d),
-      dk(tk * d), dv(tk * d);
-  ForwardPair(s, q.data(), k.data(), v.data(), o.data(), p.data());
-  BackwardPair(s, q.data(), k.data(), v.data(), p.data(), dout.data(),
-               dq.data(), dk.data(), dv.data());
-  const Reference r = Compute(tq, tk, d, q, k, v, dout);
+  // Logits of order 1-3 after the scale 1/sqrt(d), as in the model.
+  const std::vector<float> q = draw(tq * d, 1.5f), k = draw(tk * d, 1.0f),
+                           v = draw(tk * d, 1.0f), dout = draw(tq * d, 1.0f);
+  const float scale = 1.0f / std::sqrt(float(d));
+  // The kernel reads rows apart as in the model's layouts: queries with
+  // other columns between rows, keys and values interleaved in one array
+  // (k then v in each row of 2d), outputs with a gap too.
+  const int64_t q_row = d + 16, kv_row = 2 * d, o_row = d + 32;
+  const Shape s{1, 1, tq, tk, RoundUp(tk), d, q_row, kv_row, o_row, scale};
+  const std::vector<float> qs = Strided(q, tq, d, q_row),
+                           douts = Strided(dout, tq, d, o_row);
+  std::vector<float> kv(tk * kv_row);
+  for (int64_t j = 0; j < tk; ++j)
+    for (int64_t c = 0; c < d; ++c) {
+      kv[j * kv_row + c] = k[j * d + c];
+      kv[j * kv_row + d + c] = v[j * d + c];
+    }
+  std::vector<float> o(tq * o_row), p(tq * s.padded_keys, NAN),
+      dq(tq * q_row), dkv(tk * kv_row);
+  ForwardPair(s, qs.data(), kv.data(), kv.data() + d, o.data(), p.data());
+  BackwardPair(s, qs.data(), kv.data(), kv.data() + d, p.data(), douts.data(),
+               dq.data(), dkv.data(), dkv.data() + d);
+  const Reference r = Compute(tq, tk, d, q, k, v, dout, scale);
 
   double padding = 0.0;  // the probabilities' padded columns must be 0
   for (int64_t i = 0; i < tq; ++i)
@@ -104,8 +128,10 @@ bool Check(int64_t tq, int64_t tk, int64_t d, std::mt19937& rng) {
       padding = std::max(padding, double(std::abs(p[i * s.padded_keys + j])));
   const double errors[] = {
       MaxError(p.data(), s.padded_keys, r.p, tq, tk),
-      MaxError(o.data(), d, r.o, tq, d), MaxError(dq.data(), d, r.dq, tq, d),
-      MaxError(dk.data(), d, r.dk, tk, d), MaxError(dv.data(), d, r.dv, tk, d)};
+      MaxError(o.data(), o_row, r.o, tq, d),
+      MaxError(dq.data(), q_row, r.dq, tq, d),
+      MaxError(dkv.data(), kv_row, r.dk, tk, d),
+      MaxError(dkv.data() + d, kv_row, r.dv, tk, d)};
   // float32 sums of up to a few hundred terms against double: the builds
   // for AVX-512, AVX2 and NEON were within 1.3e-6 of the largest value (an
   // ulp is 1.2e-7); a 4% error in exp's x^4 coefficient reached 8e-6.

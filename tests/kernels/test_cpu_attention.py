@@ -1,5 +1,6 @@
 """vit_jax's C++ attention kernel for XLA:CPU (`vit_jax.kernels.cpu_attention`):
-values and gradients against a float64 NumPy reference, vmap, sharding, the
+values and gradients against a float64 NumPy reference in the packed and
+split forms, vmap, sharding, the
 model taking it, the build's failures, its builds for older x86 instruction
 sets and for Arm (cross-compiled, run under qemu) (where "auto" picks it:
 test_attention.py)."""
@@ -28,56 +29,118 @@ pytestmark = pytest.mark.skipif(
     f"{cpu_attention.problem(jnp.float32, 64)}")
 
 
-def _reference(query, key, value, output_grad):
-  """Output and (d query, d key, d value) of softmax(q k^T) v in float64,
-  the gradient written out by hand."""
+def _reference(query, key, value, output_grad, scale):
+  """Output and (d query, d key, d value) of softmax(scale q k^T) v in
+  float64, the gradient written out by hand; token-major (B, T, H, D)."""
   q, k, v, g = (np.asarray(x, np.float64) for x in
                 (query, key, value, output_grad))
-  logits = np.einsum("bhqd,bhkd->bhqk", q, k)
+  logits = scale * np.einsum("bqhd,bkhd->bhqk", q, k)
   p = np.exp(logits - logits.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
-  output = np.einsum("bhqk,bhkd->bhqd", p, v)
-  d_p = np.einsum("bhqd,bhkd->bhqk", g, v)
-  d_logits = p * (d_p - np.sum(d_p * p, -1, keepdims=True))
-  return output, (np.einsum("bhqk,bhkd->bhqd", d_logits, k),
-                  np.einsum("bhqk,bhqd->bhkd", d_logits, q),
-                  np.einsum("bhqk,bhqd->bhkd", p, g))
+  output = np.einsum("bhqk,bkhd->bqhd", p, v)
+  d_p = np.einsum("bqhd,bkhd->bhqk", g, v)
+  d_logits = scale * p * (d_p - np.sum(d_p * p, -1, keepdims=True))
+  return output, (np.einsum("bhqk,bkhd->bqhd", d_logits, k),
+                  np.einsum("bhqk,bqhd->bkhd", d_logits, q),
+                  np.einsum("bhqk,bqhd->bkhd", p, g))
 
 
 def _operands(batch, heads, query_tokens, key_tokens, head_dim, seed=0):
+  """query, key, value, output_grad, token-major (B, T, H, D)."""
   rng = np.random.default_rng(seed)
   draw = lambda tokens, scale: (scale * rng.standard_normal(
-      (batch, heads, tokens, head_dim))).astype(np.float32)
-  # Logits of a few units: the softmax far from uniform, nothing saturated.
-  return (draw(query_tokens, 0.4), draw(key_tokens, 0.4),
+      (batch, tokens, heads, head_dim))).astype(np.float32)
+  # Logits of a few units after the scale 1/sqrt(head_dim): the softmax
+  # far from uniform, nothing saturated.
+  return (draw(query_tokens, 1.1), draw(key_tokens, 1.1),
           draw(key_tokens, 1.0), draw(query_tokens, 1.0))
 
 
-@pytest.mark.parametrize("batch, heads, query_tokens, key_tokens, head_dim", [
+def _kernel(query, key, value, operand_dtype=None):
+  """The kernel on token-major q, k, v: self_attention over them stacked
+  as the projections lay them out where there are as many queries as
+  keys, else query_attention. Returns (output, d q, d k, d v) as a
+  function of the output's gradient: (output, vjp)."""
+  scale = query.shape[-1] ** -0.5
+  if query.shape[1] == key.shape[1]:
+    packed = np.stack([query, key, value], axis=2)  # (B, T, 3, H, D)
+    output, vjp = jax.vjp(lambda packed: cpu_attention.self_attention(
+        packed, scale, operand_dtype), packed)
+    return output, lambda grad: tuple(np.moveaxis(vjp(grad)[0], 2, 0))
+  output, vjp = jax.vjp(
+      lambda query, keys_values: cpu_attention.query_attention(
+          query, keys_values, scale, operand_dtype),
+      query, np.stack([key, value], axis=2))
+  def gradients(grad):
+    d_query, d_keys_values = vjp(grad)
+    return d_query, d_keys_values[:, :, 0], d_keys_values[:, :, 1]
+  return output, gradients
+
+
+def _inference(query, key, value, operand_dtype=None):
+  """The kernel's forward pass without differentiation (jitted: the
+  probabilities stay in scratch, another custom call)."""
+  scale = query.shape[-1] ** -0.5
+  if query.shape[1] == key.shape[1]:
+    return jax.jit(lambda packed: cpu_attention.self_attention(
+        packed, scale, operand_dtype))(np.stack([query, key, value], axis=2))
+  return jax.jit(lambda query, keys_values: cpu_attention.query_attention(
+      query, keys_values, scale, operand_dtype))(
+          query, np.stack([key, value], axis=2))
+
+
+_SHAPES = [
     (2, 3, 65, 65, 64),   # vit_tiny_cifar's blocks: 65 = 4 vectors + 1
     (1, 2, 197, 197, 64),  # ViT-*/16 @224
     (3, 3, 1, 65, 64),    # the class-token-only last block
     (2, 1, 16, 16, 16),   # whole vectors, no padding
     (2, 2, 5, 7, 80),     # fewer tokens than a vector; ViT-H's head_dim
     (1, 1, 50, 50, 32),
-])
+    (2, 2, 3, 50, 32),
+]
+
+
+@pytest.mark.parametrize("batch, heads, query_tokens, key_tokens, head_dim",
+                         _SHAPES)
 def test_values_and_gradients_match_a_float64_reference(
     batch, heads, query_tokens, key_tokens, head_dim):
   query, key, value, output_grad = _operands(batch, heads, query_tokens,
                                              key_tokens, head_dim)
-  output, vjp = jax.vjp(cpu_attention.attention_core, query, key, value)
+  output, vjp = _kernel(query, key, value)
   gradients = vjp(output_grad)
-  expected_output, expected_gradients = _reference(query, key, value,
-                                                   output_grad)
+  expected_output, expected_gradients = _reference(
+      query, key, value, output_grad, head_dim ** -0.5)
   chex.assert_shape(output, query.shape)
   np.testing.assert_allclose(output, expected_output, rtol=2e-5, atol=2e-6)
   for got, expected in zip(gradients, expected_gradients):
     np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
-  # Without differentiation the probabilities stay in scratch (another
-  # custom call): the same values.
-  np.testing.assert_allclose(
-      jax.jit(cpu_attention.attention_core)(query, key, value), output,
-      rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(_inference(query, key, value), output,
+                             rtol=1e-6, atol=1e-7)
+
+
+def test_the_packed_and_split_forms_agree_and_reject_wrong_operands():
+  """self_attention over (B, T, 3, H, D) and query_attention over its
+  slices give the same values and gradients; bad shapes and scales are
+  named."""
+  query, key, value, output_grad = _operands(2, 2, 20, 20, 16)
+  packed_output, packed_vjp = _kernel(query, key, value)
+  scale = 16 ** -0.5
+  split_output, split_vjp = jax.vjp(
+      lambda query, keys_values: cpu_attention.query_attention(
+          query, keys_values, scale), query, np.stack([key, value], axis=2))
+  np.testing.assert_array_equal(packed_output, split_output)
+  d_query, d_keys_values = split_vjp(output_grad)
+  d_packed = packed_vjp(output_grad)
+  np.testing.assert_array_equal(d_packed[0], d_query)
+  np.testing.assert_array_equal(d_packed[1], d_keys_values[:, :, 0])
+  np.testing.assert_array_equal(d_packed[2], d_keys_values[:, :, 1])
+  with pytest.raises(ValueError, match="scale must be positive"):
+    cpu_attention.self_attention(np.stack([query, key, value], 2), 0.0)
+  with pytest.raises(Exception, match=r"\(B, T, 3, H, D\)"):
+    cpu_attention.self_attention(np.stack([query, key], 2), scale)
+  with pytest.raises(Exception, match=r"\(B, Tk, 2, H, D\)"):
+    cpu_attention.query_attention(query, np.stack([key, value], 2)[:1],
+                                  scale)
 
 
 def _rounded(x):
@@ -89,7 +152,7 @@ def _rounded(x):
     (2, 1, 16, 16, 16), (1, 1, 50, 50, 32)])
 def test_bfloat16_products_match_the_float64_reference_of_rounded_operands(
     batch, heads, query_tokens, key_tokens, head_dim):
-  """operand_dtype=bfloat16: the output is softmax(q k^T) v of q, k, v
+  """operand_dtype=bfloat16: the output is softmax(s q k^T) v of q, k, v
   rounded to bfloat16, the probabilities rounded for the second product
   (within half a bfloat16 step of each weight: 2^-9 max|v|), not
   float32's; training's forward gives the same output; the gradient's
@@ -99,41 +162,41 @@ def test_bfloat16_products_match_the_float64_reference_of_rounded_operands(
   query, key, value, output_grad = _operands(batch, heads, query_tokens,
                                              key_tokens, head_dim)
   q, k, v = _rounded(query), _rounded(key), _rounded(value)
-  logits = np.einsum("bhqd,bhkd->bhqk", q, k)
+  logits = head_dim ** -0.5 * np.einsum("bqhd,bkhd->bhqk", q, k)
   p = np.exp(logits - logits.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
-  expected = np.einsum("bhqk,bhkd->bhqd", p, v)
-  core = lambda *qkv: cpu_attention.attention_core(*qkv, jnp.bfloat16)
-  output = np.asarray(jax.jit(core)(query, key, value))
+  expected = np.einsum("bhqk,bkhd->bqhd", p, v)
+  output = np.asarray(_inference(query, key, value, jnp.bfloat16))
   bound = 2.0**-9 * np.abs(v).max()
   assert np.abs(output - expected).max() < bound
-  float32 = np.asarray(cpu_attention.attention_core(query, key, value))
+  float32 = np.asarray(_inference(query, key, value))
   assert np.abs(float32 - expected).max() > 1e-4  # the rounding shows
-  trained, vjp = jax.vjp(core, query, key, value)
+  trained, vjp = _kernel(query, key, value, jnp.bfloat16)
   np.testing.assert_array_equal(trained, output)
-  _, expected_gradients = _reference(query, key, value, output_grad)
+  _, expected_gradients = _reference(query, key, value, output_grad,
+                                     head_dim ** -0.5)
   for got, want in zip(vjp(output_grad), expected_gradients):
     got = np.asarray(got, np.float64)
     assert np.abs(got - want).max() < 2.0**-6 * np.abs(want).max()
     assert np.sum(got * want) > 0.9999 * np.linalg.norm(got) * np.linalg.norm(
         want)
   with pytest.raises(ValueError, match="bfloat16 operands or float32"):
-    cpu_attention.attention_core(query, key, value, jnp.float16)
+    _kernel(query, key, value, jnp.float16)
 
 
 def test_extreme_logits_stay_finite_and_exact():
   """A row of large logits (softmax one-hot up to rounding) and one of
   equal logits (uniform)."""
   query, key, value, output_grad = _operands(1, 1, 2, 40, 16)
-  key[0, 0, 7] = 30 * query[0, 0, 0] / np.sum(query[0, 0, 0] ** 2)
+  key[0, 7, 0] = 120 * query[0, 0, 0] / np.sum(query[0, 0, 0] ** 2)
   query[0, 0, 0] *= 10  # logit 300 on key 7, far above the rest
-  query[0, 0, 1] = 0.0  # all logits 0
-  output, vjp = jax.vjp(cpu_attention.attention_core, query, key, value)
+  query[0, 1, 0] = 0.0  # all logits 0
+  output, vjp = _kernel(query, key, value)
   expected_output, expected_gradients = _reference(query, key, value,
-                                                   output_grad)
+                                                   output_grad, 0.25)
   np.testing.assert_allclose(output, expected_output, rtol=2e-5, atol=2e-6)
-  np.testing.assert_allclose(output[0, 0, 0], value[0, 0, 7], rtol=1e-5)
-  np.testing.assert_allclose(output[0, 0, 1], value[0, 0].mean(0),
+  np.testing.assert_allclose(output[0, 0, 0], value[0, 7, 0], rtol=1e-5)
+  np.testing.assert_allclose(output[0, 1, 0], value[0, :, 0].mean(0),
                              rtol=1e-5, atol=1e-6)
   for got, expected in zip(vjp(output_grad), expected_gradients):
     assert np.all(np.isfinite(got))
@@ -141,42 +204,50 @@ def test_extreme_logits_stay_finite_and_exact():
 
 
 def test_vmap_gives_each_slice_its_own_attention():
-  """vmap over a leading axis, unmapped keys included, forward and
-  gradient, against a Python loop over the slices."""
-  queries = np.stack([_operands(2, 3, 20, 20, 16, seed)[0]
-                      for seed in range(3)])  # (3, B, H, T, D)
-  _, key, value, output_grad = _operands(2, 3, 20, 20, 16, 9)
+  """vmap over a leading axis, forward and gradient, against a Python
+  loop over the slices; for query_attention also with unmapped keys and
+  values."""
+  operands = [_operands(2, 3, 20, 20, 16, seed) for seed in range(3)]
+  packed = np.stack([np.stack(o[:3], axis=2) for o in operands])
+  queries = np.stack([o[0][:, :4] for o in operands])  # (3, B, 4, H, D)
+  keys_values = packed[0, :, :, 1:]
+  output_grad = operands[0][3]
 
-  def loss(query):
-    return jnp.sum(cpu_attention.attention_core(query, key, value) *
-                   output_grad)
+  def packed_loss(packed):
+    return jnp.sum(cpu_attention.self_attention(packed, 0.25) * output_grad)
 
-  mapped = jax.vmap(jax.value_and_grad(loss))(queries)
-  for index, query in enumerate(queries):
-    looped = jax.value_and_grad(loss)(query)
-    np.testing.assert_allclose(mapped[0][index], looped[0], rtol=1e-6)
-    np.testing.assert_allclose(mapped[1][index], looped[1], rtol=1e-6,
-                               atol=1e-7)
+  def query_loss(query):
+    return jnp.sum(cpu_attention.query_attention(query, keys_values, 0.25) *
+                   output_grad[:, :4])
+
+  for loss, inputs in ((packed_loss, packed), (query_loss, queries)):
+    mapped = jax.vmap(jax.value_and_grad(loss))(inputs)
+    for index, one in enumerate(inputs):
+      looped = jax.value_and_grad(loss)(one)
+      np.testing.assert_allclose(mapped[0][index], looped[0], rtol=1e-6)
+      np.testing.assert_allclose(mapped[1][index], looped[1], rtol=1e-6,
+                                 atol=1e-7)
 
 
 def test_a_batch_split_mesh_runs_the_kernel_per_device_without_gathering():
   mesh = sharding.make_mesh()  # the tests' 8 CPU devices
   assert mesh.size == 8
-  operands = _operands(8, 3, 65, 65, 64)
+  query, key, value, output_grad = _operands(8, 3, 65, 65, 64)
+  operands = (np.stack([query, key, value], axis=2), output_grad)
   split = jax.device_put(operands, sharding.batch_sharded(mesh))
 
-  def loss(query, key, value, output_grad):
-    output = cpu_attention.attention_core(query, key, value)
+  def loss(packed, output_grad):
+    output = cpu_attention.self_attention(packed, 0.125)
     return jnp.sum(output * output_grad)
 
-  gradients = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-  compiled = gradients.lower(*split).compile().as_text()
-  assert "VitAttentionBackward" in compiled
+  gradient = jax.jit(jax.grad(loss))
+  compiled = gradient.lower(*split).compile().as_text()
+  assert "VitAttentionPackedBackward" in compiled
   assert not re.search(r"all-gather|all-to-all|collective-permute",
                        compiled)
-  for got, expected in zip(gradients(*split), gradients(*operands)):
-    assert got.sharding.is_equivalent_to(sharding.batch_sharded(mesh), 4)
-    np.testing.assert_array_equal(got, expected)  # same kernel, same sums
+  got = gradient(*split)
+  assert got.sharding.is_equivalent_to(sharding.batch_sharded(mesh), 5)
+  np.testing.assert_array_equal(got, gradient(*operands))  # same sums
 
 
 _DIMS = dict(num_classes=5, patch_size=4, hidden_size=48, num_layers=2,
@@ -204,7 +275,9 @@ def test_the_model_takes_the_kernel_on_cpu_with_the_einsums_values(
 
   (kernel_loss, kernel_grads), program = run("auto")
   (einsum_loss, einsum_grads), _ = run("einsum")
-  assert "VitAttentionBackward" in program  # "auto" took the kernel
+  assert "VitAttentionPackedBackward" in program  # "auto" took the kernel
+  # The class token's query alone in the last block.
+  assert ("VitAttentionSplitBackward" in program) == (classifier == "token")
   assert "Bf16" not in program
   np.testing.assert_allclose(kernel_loss, einsum_loss, rtol=1e-5)
   chex.assert_trees_all_close(kernel_grads, einsum_grads, atol=1e-5,
@@ -219,9 +292,10 @@ def test_the_models_bfloat16_products_take_the_kernels_bfloat16_products():
   params = model.init(jax.random.key(0), images)
   loss = lambda params: jnp.sum(model.apply(params, images))
   training = jax.jit(jax.grad(loss)).lower(params).as_text()
-  assert "VitAttentionForwardForTrainingBf16" in training
-  assert "VitAttentionBackwardBf16" in training
-  assert "VitAttentionForwardForInferenceBf16" in jax.jit(
+  assert "VitAttentionPackedForTrainingBf16" in training
+  assert "VitAttentionPackedBackwardBf16" in training
+  assert "VitAttentionSplitBackwardBf16" in training
+  assert "VitAttentionPackedForInferenceBf16" in jax.jit(
       loss).lower(params).as_text()
 
 

@@ -63,7 +63,8 @@ def fused_implementation(requested: str, dtype: Any, head_dim: int, *,
                          locality: bool = False, device: Any = None
                          ) -> Optional[str]:
   """The `implementation` to pass to `jax.nn.dot_product_attention`,
-  "cpu_kernel" for `cpu_attention.attention_core`, or None for the einsums.
+  "cpu_kernel" for `cpu_attention.self_attention` (and `query_attention`),
+  or None for the einsums.
 
   requested: one of IMPLEMENTATIONS; dtype: the compute dtype; head_dim:
   hidden_size / num_heads; capturing: attention maps are being captured;

@@ -1,4 +1,4 @@
-"""The attention core softmax(Q K^T) V as a C++ kernel for XLA:CPU.
+"""The attention core softmax(s Q K^T) V as a C++ kernel for XLA:CPU.
 
 Why: on XLA:CPU the core's batched products (head_dim 64, T = 197) ran at
 less than half the rate of the model's dense layers, and the core took 21%
@@ -21,16 +21,25 @@ The kernel is built on first use for this machine's CPU (`cpu_build`).
 Without a compiler, or if the build fails, `problem` says why and the model
 takes its einsums ("auto") or raises ("cpu_kernel").
 
-`attention_core` is differentiable and shards over batch and heads: under
-`jax.jit` with a batch-split mesh each device runs the kernel on its own
-part, with no gathering (`cpu_build.batch_partitionable`).
+`self_attention` reads q, k and v where the projections' one matmul puts
+them, (B, T, 3, heads, head_dim), and writes its output where the output
+projection reads it, (B, T, heads, head_dim); its gradient goes back into
+the projections' layout the same way. Why: the transposes to and from
+(B, heads, T, head_dim) took ~4% of a ViT-Ti/16 @224 train step
+(docs/performance.md, *The attention kernel in the projections' layout*).
+`query_attention` is the same core for queries projected on their own (the
+last block's class token). Both are differentiable and shard over the
+batch: under `jax.jit` with a batch-split mesh each device runs the kernel
+on its own part, with no gathering (`cpu_build.batch_partitionable`).
 """
 
 import functools
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
+from jax.extend import core
 import jax.numpy as jnp
+import numpy as np
 
 from vit_jax.kernels import cpu_build
 
@@ -58,38 +67,63 @@ def padded_keys(num_keys: int) -> int:
   return -(-num_keys // LANES) * LANES
 
 
-def _same(*avals):
+class _Kernels(NamedTuple):
+  """A family's primitives: the forward pass for inference (outputs only),
+  for training (outputs and probabilities), and the gradient."""
+  inference: core.Primitive
+  training: core.Primitive
+  gradient: core.Primitive
+
+
+def _shapes(*avals):
   return [(aval.shape, aval.dtype) for aval in avals]
 
 
-def _training_results(query, key, value):
-  """The training forward pass's output and probabilities."""
-  del value
-  return [(query.shape, query.dtype),
-          (query.shape[:3] + (padded_keys(key.shape[2]),), query.dtype)]
+def _outputs(operands) -> tuple:
+  """The output's (shape, dtype) for a family's operands: (B, Tq, H, D)."""
+  first = operands[0]
+  shape = first.shape if first.ndim == 4 else (
+      first.shape[:2] + first.shape[3:])  # packed (B, T, 3, H, D)
+  return shape, first.dtype
 
 
-def _primitives(suffix: str) -> tuple:
-  """(inference, training, gradient) primitives of the kernel's handlers
-  named with suffix ("" float32, "Bf16" bfloat16 operands). Each (batch,
-  head) pair is independent: two batch axes."""
-  return (
+def _probabilities(operands) -> tuple:
+  """The probabilities' (shape, dtype): (B, H, Tq, padded keys)."""
+  batch, query_tokens, heads = _outputs(operands)[0][:3]
+  key_tokens = operands[-1].shape[1]
+  return (batch, heads, query_tokens, padded_keys(key_tokens)), jnp.float32
+
+
+def _family(name: str, num_operands: int, suffix: str) -> _Kernels:
+  """The primitives of handlers VitAttention<name>...<suffix> ("" float32,
+  "Bf16" bfloat16 operands): operands then
+  probabilities and the output's gradient for the gradient, whose results
+  are the operands' gradients. Each batch element is independent: one
+  batch axis."""
+  def training(*operands):
+    return [_outputs(operands), _probabilities(operands)]
+
+  def gradient(*operands_probabilities_and_output_grad):
+    return _shapes(*operands_probabilities_and_output_grad[:num_operands])
+
+  return _Kernels(
       cpu_build.batch_partitionable(
-          f"VitAttentionForwardForInference{suffix}",
-          lambda query, key, value: _same(query), 2),
+          f"VitAttention{name}ForInference{suffix}",
+          lambda *operands: [_outputs(operands)], 1),
       cpu_build.batch_partitionable(
-          f"VitAttentionForwardForTraining{suffix}", _training_results, 2),
+          f"VitAttention{name}ForTraining{suffix}", training, 1),
       cpu_build.batch_partitionable(
-          f"VitAttentionBackward{suffix}",
-          lambda query, key, value, *_: _same(query, key, value), 2))
+          f"VitAttention{name}Backward{suffix}", gradient, 1))
 
 
-_FLOAT32, _BFLOAT16 = _primitives(""), _primitives("Bf16")
+# (packed, split) families: float32 products, and bfloat16 operands.
+_FLOAT32 = (_family("Packed", 1, ""), _family("Split", 2, ""))
+_BFLOAT16 = (_family("Packed", 1, "Bf16"), _family("Split", 2, "Bf16"))
 
 
-def _kernels(operand_dtype: Any):
-  """(inference, training, gradient) primitives: float32 products, or
-  bfloat16 operands with float32 sums."""
+def _families(operand_dtype: Any) -> tuple[_Kernels, _Kernels]:
+  """(packed, split) primitives: float32 products, or bfloat16 operands
+  with float32 sums."""
   if operand_dtype is None:
     return _FLOAT32
   if jnp.dtype(operand_dtype) != jnp.bfloat16:
@@ -98,33 +132,57 @@ def _kernels(operand_dtype: Any):
   return _BFLOAT16
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def attention_core(query: jax.Array, key: jax.Array, value: jax.Array,
-                   operand_dtype: Any = None) -> jax.Array:
-  """softmax(query key^T) value over the last two axes, float32 on CPU.
-
-  query (B, heads, Tq, head_dim), already scaled by 1/sqrt(head_dim); key
-  and value (B, heads, Tk, head_dim). Returns (B, heads, Tq, head_dim).
-  With operand_dtype bfloat16 every product of the forward and backward
-  passes (two and four) reads its operands rounded to bfloat16 and sums
-  in float32, as the model's bfloat16 products do; the softmax and its
-  gradient stay float32. On a CPU with AMX the products run as AMX tile
-  products. Needs `problem(...)` to be None.
-  """
-  inference, _, _ = _kernels(operand_dtype)
-  (output,) = inference.bind(query, key, value)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _core(kernels: _Kernels, scale: float, *operands: jax.Array
+          ) -> jax.Array:
+  (output,) = kernels.inference.bind(*operands, scale=np.float32(scale))
   return output
 
 
-def _core_forward(query, key, value, operand_dtype):
-  _, training, _ = _kernels(operand_dtype)
-  output, probabilities = training.bind(query, key, value)
-  return output, (query, key, value, probabilities)
+def _core_forward(kernels, scale, *operands):
+  output, probabilities = kernels.training.bind(*operands,
+                                                scale=np.float32(scale))
+  return output, (operands, probabilities)
 
 
-def _core_backward(operand_dtype, residuals, output_grad):
-  _, _, gradient = _kernels(operand_dtype)
-  return tuple(gradient.bind(*residuals, output_grad))
+def _core_backward(kernels, scale, residuals, output_grad):
+  operands, probabilities = residuals
+  return tuple(kernels.gradient.bind(*operands, probabilities, output_grad,
+                                     scale=np.float32(scale)))
 
 
-attention_core.defvjp(_core_forward, _core_backward)
+_core.defvjp(_core_forward, _core_backward)
+
+
+def _check_scale(scale: float) -> float:
+  if not scale > 0:
+    raise ValueError(f"the attention kernel's scale must be positive, not "
+                     f"{scale}")
+  return float(scale)
+
+
+def self_attention(projections: jax.Array, scale: float,
+                   operand_dtype: Any = None) -> jax.Array:
+  """softmax(scale q k^T) v per batch element and head, float32 on CPU.
+
+  projections: (B, T, 3, H, D), the query, key and value projections of
+  each token as one matmul lays them out; returns (B, T, H, D), as the
+  output projection reads it. The kernel reads and writes those layouts
+  (its gradient too, as one (B, T, 3, H, D) array): no transposes around
+  it. With operand_dtype bfloat16 every product of the forward and
+  backward passes (two and four) reads its operands rounded to bfloat16
+  and sums in float32, as the model's bfloat16 products do; the softmax
+  and its gradient stay float32. On a CPU with AMX the products run as AMX
+  tile products. Needs `problem(...)` to be None.
+  """
+  packed, _ = _families(operand_dtype)
+  return _core(packed, _check_scale(scale), projections)
+
+
+def query_attention(query: jax.Array, keys_values: jax.Array, scale: float,
+                    operand_dtype: Any = None) -> jax.Array:
+  """`self_attention` for queries of their own: query (B, Tq, H, D) (e.g.
+  the class token's alone), keys_values (B, Tk, 2, H, D); returns
+  (B, Tq, H, D)."""
+  _, split = _families(operand_dtype)
+  return _core(split, _check_scale(scale), query, keys_values)

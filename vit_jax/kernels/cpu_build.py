@@ -48,10 +48,10 @@ _FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC",
 # (benchmarks/throughput.py --max_isa=avx2), or for a cache shared by CPUs
 # of several kinds.
 MARCH_VARIABLE = "VIT_JAX_KERNEL_MARCH"
-TARGETS = ("VitAttentionForwardForTraining", "VitAttentionForwardForInference",
-           "VitAttentionForwardForTrainingBf16",
-           "VitAttentionForwardForInferenceBf16",
-           "VitAttentionBackward", "VitAttentionBackwardBf16",
+TARGETS = (*(f"VitAttention{family}{handler}{suffix}"
+             for family in ("Packed", "Split")
+             for handler in ("ForTraining", "ForInference", "Backward")
+             for suffix in ("", "Bf16")),
            "VitTransposeToBfloat16", "VitGemm", "VitGemmTransposedRight",
            "VitGemmOverRows", "VitLayerNormForward", "VitLayerNormBackward",
            "VitGelu", "VitGeluBackward")

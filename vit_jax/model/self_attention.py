@@ -128,15 +128,6 @@ class MultiHeadSelfAttention(nn.Module):
     products = matmuls.resolve_implementation(
         self.matmul_implementation, self.dtype, self.matmul_dtype)
     grouped = products == "onednn"  # rows in groups: matmuls.per_token
-    if num_query_tokens is None:
-      query, key, value = self._project(
-          x, [projections[n] for n in ("query", "key", "value")], fused,
-          products)
-    else:  # only the first num_query_tokens tokens query
-      (query,) = self._project(x[:, :num_query_tokens],
-                               [projections["query"]], fused, products)
-      key, value = self._project(
-          x, [projections["key"], projections["value"]], fused, products)
     output = nn.DenseGeneral(
         hidden_size, axis=(-2, -1), dtype=self.dtype,
         param_dtype=self.param_dtype,
@@ -145,12 +136,28 @@ class MultiHeadSelfAttention(nn.Module):
             matmuls.dense_dot_general, operand_dtype=self.matmul_dtype,
             implementation=products),
         name="out")
+    scale = 1 / head_dim ** 0.5
 
-    if fused == "cpu_kernel":
-      attended = cpu_attention.attention_core(
-          query / jnp.sqrt(head_dim).astype(self.dtype), key, value,
-          self.matmul_dtype)
-      return per_token(output, jnp.swapaxes(attended, 1, 2), grouped)
+    if num_query_tokens is None:
+      stacked = self._project(
+          x, [projections[n] for n in ("query", "key", "value")], products)
+      if fused == "cpu_kernel":  # reads the projections' own layout
+        attended = cpu_attention.self_attention(stacked, scale,
+                                                self.matmul_dtype)
+        return per_token(output, attended, grouped)
+      query, key, value = self._split(stacked, fused)
+    else:  # only the first num_query_tokens tokens query
+      queries = self._project(x[:, :num_query_tokens], [projections["query"]],
+                              products)
+      keys_values = self._project(
+          x, [projections["key"], projections["value"]], products)
+      if fused == "cpu_kernel":
+        attended = cpu_attention.query_attention(
+            queries[:, :, 0], keys_values, scale, self.matmul_dtype)
+        return per_token(output, attended, grouped)
+      (query,) = self._split(queries, fused)
+      key, value = self._split(keys_values, fused)
+
     if fused is not None:
       attended = attention.dot_product_attention(
           query, key, value, fused, key_tokens=(
@@ -163,17 +170,10 @@ class MultiHeadSelfAttention(nn.Module):
 
   def _project(self, inputs: jax.Array,
                projections: list[tuple[jax.Array, jax.Array]],
-               fused: Optional[str], products: str) -> list[jax.Array]:
-    """(B, T, D) -> per projection, (B, heads, T, head_dim) for the einsums
-    or (B, T, heads, head_dim) for the fused kernels, from one matmul:
-    (B*T, D) @ (D, 3*D) runs faster on XLA:CPU than three of (D, D).
-
-    Heads first for the einsums: XLA:CPU then runs both products as plain
-    batched matmuls. From the token-major layout it computed the weighted
-    sum as V^T P^T, at half the rate of Q K^T (ViT-Ti/16 @224 inference
-    5.6% slower; docs/performance.md, *Heads first*). One transpose for all
-    projections, not a split and one per projection: 1.8-3.7% faster
-    vit_tiny_cifar training steps."""
+               products: str) -> jax.Array:
+    """(B, T, D) -> (B, T, P, heads, head_dim): the P projections from one
+    matmul, (B*T, D) @ (D, P*D), which runs faster on XLA:CPU than P of
+    (D, D)."""
     kernel = jnp.concatenate([kernel for kernel, _ in projections], axis=1)
     bias = jnp.concatenate([bias for _, bias in projections])
     inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias,
@@ -182,14 +182,27 @@ class MultiHeadSelfAttention(nn.Module):
         tokens, kernel, (((tokens.ndim - 1,), (0,)), ((), ())),
         operand_dtype=self.matmul_dtype, implementation=products) + bias,
                         inputs, products == "onednn")
-    outputs = outputs.reshape(*outputs.shape[:2], len(projections),
-                              self.num_heads, -1)
+    return outputs.reshape(*outputs.shape[:2], len(projections),
+                           self.num_heads, -1)
+
+  def _split(self, stacked: jax.Array, fused: Optional[str]
+             ) -> list[jax.Array]:
+    """(B, T, P, heads, head_dim) -> per projection, (B, heads, T,
+    head_dim) for the einsums or (B, T, heads, head_dim) for
+    `jax.nn.dot_product_attention`.
+
+    Heads first for the einsums: XLA:CPU then runs both products as plain
+    batched matmuls. From the token-major layout it computed the weighted
+    sum as V^T P^T, at half the rate of Q K^T (ViT-Ti/16 @224 inference
+    5.6% slower; docs/performance.md, *Heads first*). One transpose for all
+    projections, not a split and one per projection: 1.8-3.7% faster
+    vit_tiny_cifar training steps."""
     if attention.needs_even_tokens(fused):
       # Padded here, before the transpose: XLA fuses the padding into it.
-      outputs = attention.pad_to_even(outputs)
+      stacked = attention.pad_to_even(stacked)
     token_major = fused in ("xla", "cudnn")
     order = (2, 0, 1, 3, 4) if token_major else (2, 0, 3, 1, 4)
-    return split_projections(outputs, order)
+    return split_projections(stacked, order)
 
   def _attend(self, query: jax.Array, key: jax.Array, value: jax.Array,
               deterministic: bool, dropout_key: Optional[jax.Array]

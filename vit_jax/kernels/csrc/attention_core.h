@@ -90,18 +90,21 @@ void Product(int64_t rows, int64_t columns, int64_t depth, const float* a,
   }
 }
 
-// x^T: (rows x columns) -> (columns x padded_rows), the padding zero.
-void Transpose(int64_t rows, int64_t columns, const float* x,
+// x^T: (rows x columns, leading dimension ld) -> (columns x padded_rows),
+// the padding zero.
+void Transpose(int64_t rows, int64_t columns, const float* x, int64_t ld,
                int64_t padded_rows, float* out) {
   for (int64_t j = 0; j < columns; ++j) {
     float* row = out + j * padded_rows;
-    for (int64_t i = 0; i < rows; ++i) row[i] = x[i * columns + j];
+    for (int64_t i = 0; i < rows; ++i) row[i] = x[i * ld + j];
     std::fill(row + rows, row + padded_rows, 0.0f);
   }
 }
 
-// Rows of logits (padded width) -> probabilities in place; the padding -> 0.
-void Softmax(int64_t rows, int64_t width, int64_t padded, float* x) {
+// Rows of logits (padded width) -> softmax(scale * logits) in place, scale
+// > 0; the padding -> 0.
+void Softmax(int64_t rows, int64_t width, int64_t padded, float scale,
+             float* x) {
   for (int64_t i = 0; i < rows; ++i) {
     float* row = x + i * padded;
     std::fill(row + width, row + padded, -INFINITY);
@@ -114,7 +117,7 @@ void Softmax(int64_t rows, int64_t width, int64_t padded, float* x) {
     for (int l = 1; l < kLanes; ++l) row_max = std::max(row_max, vmax[l]);
     Vec vsum{};
     for (int64_t j = 0; j < padded; j += kLanes) {
-      const Vec e = Exp(Load(row + j) - row_max);
+      const Vec e = Exp((Load(row + j) - row_max) * scale);
       Store(row + j, e);
       vsum += e;
     }
@@ -127,8 +130,10 @@ void Softmax(int64_t rows, int64_t width, int64_t padded, float* x) {
   }
 }
 
-// dS = P * (dP - rowsum(P * dP)) in place of dP; the softmax's gradient.
-void SoftmaxGradient(int64_t rows, int64_t padded, const float* p, float* dp) {
+// dS = scale * P * (dP - rowsum(P * dP)) in place of dP: the gradient of
+// the unscaled logits of Softmax.
+void SoftmaxGradient(int64_t rows, int64_t padded, float scale, const float* p,
+                     float* dp) {
   for (int64_t i = 0; i < rows; ++i) {
     const float* pi = p + i * padded;
     float* gi = dp + i * padded;
@@ -138,12 +143,20 @@ void SoftmaxGradient(int64_t rows, int64_t padded, const float* p, float* dp) {
     float dot = 0.0f;
     for (int l = 0; l < kLanes; ++l) dot += vdot[l];
     for (int64_t j = 0; j < padded; j += kLanes)
-      Store(gi + j, Load(pi + j) * (Load(gi + j) - dot));
+      Store(gi + j, Load(pi + j) * (Load(gi + j) - dot) * scale);
   }
 }
 
+// One call's pairs and where each pair's rows lie. The arrays are
+// token-major, as the projections lay them out: a pair (batch b, head h)
+// reads head_dim floats per token at column h * head_dim, one token's row
+// q_row (queries and their gradient), kv_row (keys, values, theirs) or
+// o_row (outputs, theirs) floats after the last. The probabilities are
+// (B, H, Tq, padded_keys), contiguous per pair.
 struct Shape {
-  int64_t pairs, query_tokens, key_tokens, padded_keys, head_dim;
+  int64_t batch, heads, query_tokens, key_tokens, padded_keys, head_dim;
+  int64_t q_row, kv_row, o_row;
+  float scale;  // of the logits q k^T
 };
 
 // Scratch of one thread, reused across calls.
