@@ -38,7 +38,7 @@ import contextlib
 import functools
 import statistics
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -133,12 +133,15 @@ def model_paths(variant: Variant):
     jax.clear_caches()
 
 
-def _program(model_name: str, attention: str, mode: str, images, labels):
+def _program(model_name: str, attention: str, mode: str, images, labels,
+             num_layers: Optional[int] = None):
   """(the jitted program, its arguments): the model's train step (no
   donation: every variant steps from the same state) with (state, images,
-  labels), or its bfloat16 forward pass with (params, images)."""
+  labels), or its bfloat16 forward pass with (params, images). num_layers:
+  the model's, unless given."""
   model_config = variants.get_variant(model_name)
   model_config.dtype = "bfloat16"
+  model_config.num_layers = num_layers or model_config.num_layers
   model_config.attention_implementation = attention
   model = variants.build_model(model_config, NUM_CLASSES)
   if mode == "infer":
@@ -169,7 +172,8 @@ def _compile_all(chosen: list[str], args, images, labels) -> dict:
     variant = VARIANTS[name]
     if variant.attention not in programs:
       programs[variant.attention] = _program(args.model, variant.attention,
-                                             args.mode, images, labels)
+                                             args.mode, images, labels,
+                                             args.num_layers)
     program, arguments = programs[variant.attention]
     try:
       compiled, seconds = _compile(program, arguments, variant)
@@ -203,6 +207,9 @@ def _parse_args():
   parser.add_argument("--batch", type=int,
                       help="default: gpu_throughput.py's for the model and "
                       "mode (ViT-L/16: 128 train, 256 infer)")
+  parser.add_argument("--num_layers", type=int,
+                      help="fewer layers than the model's, for a quick check "
+                      "of the script")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--variants", default=",".join(VARIANTS),
@@ -225,9 +232,11 @@ def main():
             if (name == "as is" or name in args.variants.split(","))
             and not (variant.trains_only() if args.mode == "infer"
                      else variant.infers_only())]
+  layers = f" --num_layers={args.num_layers}" if args.num_layers else ""
   print(f"Command: python benchmarks/gpu_flags.py --model={args.model} "
-        f"--mode={args.mode} --batch={args.batch} --rounds={args.rounds} "
-        f"--steps={args.steps} --variants=\"{args.variants}\"")
+        f"--mode={args.mode} --batch={args.batch}{layers} "
+        f"--rounds={args.rounds} --steps={args.steps} "
+        f"--variants=\"{args.variants}\"")
   print(f"Device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
   key = jax.random.PRNGKey(0)
   images = jax.random.randint(key, (args.batch, IMAGE_SIZE, IMAGE_SIZE, 3),
