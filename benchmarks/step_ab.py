@@ -151,11 +151,11 @@ def float32_attention_kernel():
   real = cpu_attention.self_attention, cpu_attention.query_attention
   jax.clear_caches()  # as in elementwise_core
   cpu_attention.self_attention = (
-      lambda projections, scale, operand_dtype=None: real[0](projections,
-                                                             scale))
+      lambda projections, bias, scale, operand_dtype=None: real[0](
+          projections, bias, scale))
   cpu_attention.query_attention = (
-      lambda query, keys_values, scale, operand_dtype=None: real[1](
-          query, keys_values, scale))
+      lambda query, keys_values, bias, scale, operand_dtype=None: real[1](
+          query, keys_values, bias, scale))
   try:
     yield
   finally:

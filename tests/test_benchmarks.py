@@ -282,11 +282,12 @@ def test_step_ab_float32_attention_kernel_keeps_the_kernel_float32():
   params = model.init(jax.random.PRNGKey(0), images)["params"]
   loss = lambda params: model.apply({"params": params}, images).sum()
   program = lambda: jax.jit(jax.grad(loss)).lower(params).as_text()
-  assert "VitAttentionBackwardBf16" in program()
+  # One layer: the last, where the class token queries alone.
+  assert "VitAttentionSplitBackwardBf16" in program()
   with step_ab.float32_attention_kernel():
     float32 = program()
-    assert "Bf16" not in float32 and "VitAttentionBackward" in float32
-  assert "VitAttentionBackwardBf16" in program()
+    assert "Bf16" not in float32 and "VitAttentionSplitBackward" in float32
+  assert "VitAttentionSplitBackwardBf16" in program()
 
 
 def test_gpu_flags_jax_matmul_gradients_are_the_same_gradients():

@@ -102,23 +102,19 @@ bool Check(int64_t tq, int64_t tk, int64_t d, std::mt19937& rng) {
   const std::vector<float> q = draw(tq * d, 1.5f), k = draw(tk * d, 1.0f),
                            v = draw(tk * d, 1.0f), dout = draw(tq * d, 1.0f);
   const float scale = 1.0f / std::sqrt(float(d));
-  // The kernel reads rows apart as in the model's layouts: queries with
-  // other columns between rows, keys and values interleaved in one array
-  // (k then v in each row of 2d), outputs with a gap too.
+  // A pair reads its q, k and v contiguous (copied out of the projections
+  // with their bias) and writes its output and gradients, and reads the
+  // output's gradient, rows apart as in the model's layouts: the queries'
+  // gradient and the output with other columns between rows, the keys'
+  // and values' gradients interleaved in one array (dk then dv in each
+  // row of 2d).
   const int64_t q_row = d + 16, kv_row = 2 * d, o_row = d + 32;
   const Shape s{1, 1, tq, tk, RoundUp(tk), d, q_row, kv_row, o_row, scale};
-  const std::vector<float> qs = Strided(q, tq, d, q_row),
-                           douts = Strided(dout, tq, d, o_row);
-  std::vector<float> kv(tk * kv_row);
-  for (int64_t j = 0; j < tk; ++j)
-    for (int64_t c = 0; c < d; ++c) {
-      kv[j * kv_row + c] = k[j * d + c];
-      kv[j * kv_row + d + c] = v[j * d + c];
-    }
+  const std::vector<float> douts = Strided(dout, tq, d, o_row);
   std::vector<float> o(tq * o_row), p(tq * s.padded_keys, NAN),
       dq(tq * q_row), dkv(tk * kv_row);
-  ForwardPair(s, qs.data(), kv.data(), kv.data() + d, o.data(), p.data());
-  BackwardPair(s, qs.data(), kv.data(), kv.data() + d, p.data(), douts.data(),
+  ForwardPair(s, q.data(), k.data(), v.data(), o.data(), p.data());
+  BackwardPair(s, q.data(), k.data(), v.data(), p.data(), douts.data(),
                dq.data(), dkv.data(), dkv.data() + d);
   const Reference r = Compute(tq, tk, d, q, k, v, dout, scale);
 

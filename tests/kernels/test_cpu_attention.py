@@ -29,63 +29,73 @@ pytestmark = pytest.mark.skipif(
     f"{cpu_attention.problem(jnp.float32, 64)}")
 
 
-def _reference(query, key, value, output_grad, scale):
-  """Output and (d query, d key, d value) of softmax(scale q k^T) v in
-  float64, the gradient written out by hand; token-major (B, T, H, D)."""
-  q, k, v, g = (np.asarray(x, np.float64) for x in
-                (query, key, value, output_grad))
+def _reference(query, key, value, output_grad, scale, bias):
+  """Output and (d query, d key, d value, d bias) of softmax(scale q k^T) v
+  in float64, q, k and v the operands plus their bias (3, H, D), the
+  gradient written out by hand; token-major (B, T, H, D)."""
+  q, k, v, g = (np.asarray(x, np.float64) + b for x, b in
+                zip((query, key, value, output_grad), (*bias, 0.0)))
   logits = scale * np.einsum("bqhd,bkhd->bhqk", q, k)
   p = np.exp(logits - logits.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
   output = np.einsum("bhqk,bkhd->bqhd", p, v)
   d_p = np.einsum("bqhd,bkhd->bhqk", g, v)
   d_logits = scale * p * (d_p - np.sum(d_p * p, -1, keepdims=True))
-  return output, (np.einsum("bhqk,bkhd->bqhd", d_logits, k),
-                  np.einsum("bhqk,bqhd->bkhd", d_logits, q),
-                  np.einsum("bhqk,bqhd->bkhd", p, g))
+  gradients = (np.einsum("bhqk,bkhd->bqhd", d_logits, k),
+               np.einsum("bhqk,bqhd->bkhd", d_logits, q),
+               np.einsum("bhqk,bqhd->bkhd", p, g))
+  return output, (*gradients,
+                  np.stack([grad.sum((0, 1)) for grad in gradients]))
 
 
 def _operands(batch, heads, query_tokens, key_tokens, head_dim, seed=0):
-  """query, key, value, output_grad, token-major (B, T, H, D)."""
+  """query, key, value, output_grad, token-major (B, T, H, D), and the
+  bias (3, H, D)."""
   rng = np.random.default_rng(seed)
   draw = lambda tokens, scale: (scale * rng.standard_normal(
       (batch, tokens, heads, head_dim))).astype(np.float32)
   # Logits of a few units after the scale 1/sqrt(head_dim): the softmax
   # far from uniform, nothing saturated.
-  return (draw(query_tokens, 1.1), draw(key_tokens, 1.1),
-          draw(key_tokens, 1.0), draw(query_tokens, 1.0))
+  return (draw(query_tokens, 1.0), draw(key_tokens, 1.0),
+          draw(key_tokens, 1.0), draw(query_tokens, 1.0),
+          (0.5 * rng.standard_normal((3, heads, head_dim))).astype(
+              np.float32))
 
 
-def _kernel(query, key, value, operand_dtype=None):
-  """The kernel on token-major q, k, v: self_attention over them stacked
-  as the projections lay them out where there are as many queries as
-  keys, else query_attention. Returns (output, d q, d k, d v) as a
-  function of the output's gradient: (output, vjp)."""
+def _kernel(query, key, value, bias, operand_dtype=None):
+  """The kernel on token-major q, k, v without their bias: self_attention
+  over them stacked as the projections lay them out where there are as
+  many queries as keys, else query_attention. Returns (output, vjp), vjp
+  mapping the output's gradient to (d query, d key, d value, d bias)."""
   scale = query.shape[-1] ** -0.5
   if query.shape[1] == key.shape[1]:
     packed = np.stack([query, key, value], axis=2)  # (B, T, 3, H, D)
-    output, vjp = jax.vjp(lambda packed: cpu_attention.self_attention(
-        packed, scale, operand_dtype), packed)
-    return output, lambda grad: tuple(np.moveaxis(vjp(grad)[0], 2, 0))
+    output, vjp = jax.vjp(lambda packed, bias: cpu_attention.self_attention(
+        packed, bias, scale, operand_dtype), packed, bias)
+    def gradients(grad):
+      d_packed, d_bias = vjp(grad)
+      return (*np.moveaxis(d_packed, 2, 0), d_bias)
+    return output, gradients
   output, vjp = jax.vjp(
-      lambda query, keys_values: cpu_attention.query_attention(
-          query, keys_values, scale, operand_dtype),
-      query, np.stack([key, value], axis=2))
-  def gradients(grad):
-    d_query, d_keys_values = vjp(grad)
-    return d_query, d_keys_values[:, :, 0], d_keys_values[:, :, 1]
-  return output, gradients
+      lambda query, keys_values, bias: cpu_attention.query_attention(
+          query, keys_values, bias, scale, operand_dtype),
+      query, np.stack([key, value], axis=2), bias)
+  def split_gradients(grad):
+    d_query, d_keys_values, d_bias = vjp(grad)
+    return d_query, d_keys_values[:, :, 0], d_keys_values[:, :, 1], d_bias
+  return output, split_gradients
 
 
-def _inference(query, key, value, operand_dtype=None):
+def _inference(query, key, value, bias, operand_dtype=None):
   """The kernel's forward pass without differentiation (jitted: the
   probabilities stay in scratch, another custom call)."""
   scale = query.shape[-1] ** -0.5
   if query.shape[1] == key.shape[1]:
     return jax.jit(lambda packed: cpu_attention.self_attention(
-        packed, scale, operand_dtype))(np.stack([query, key, value], axis=2))
+        packed, bias, scale, operand_dtype))(
+            np.stack([query, key, value], axis=2))
   return jax.jit(lambda query, keys_values: cpu_attention.query_attention(
-      query, keys_values, scale, operand_dtype))(
+      query, keys_values, bias, scale, operand_dtype))(
           query, np.stack([key, value], axis=2))
 
 
@@ -104,43 +114,49 @@ _SHAPES = [
                          _SHAPES)
 def test_values_and_gradients_match_a_float64_reference(
     batch, heads, query_tokens, key_tokens, head_dim):
-  query, key, value, output_grad = _operands(batch, heads, query_tokens,
-                                             key_tokens, head_dim)
-  output, vjp = _kernel(query, key, value)
+  """Output and gradients, the bias's included, of the packed form (as
+  many queries as keys) or the split one, against float64."""
+  query, key, value, output_grad, bias = _operands(
+      batch, heads, query_tokens, key_tokens, head_dim)
+  output, vjp = _kernel(query, key, value, bias)
   gradients = vjp(output_grad)
   expected_output, expected_gradients = _reference(
-      query, key, value, output_grad, head_dim ** -0.5)
+      query, key, value, output_grad, head_dim ** -0.5, bias)
   chex.assert_shape(output, query.shape)
   np.testing.assert_allclose(output, expected_output, rtol=2e-5, atol=2e-6)
   for got, expected in zip(gradients, expected_gradients):
-    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
-  np.testing.assert_allclose(_inference(query, key, value), output,
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=3e-5)
+  np.testing.assert_allclose(_inference(query, key, value, bias), output,
                              rtol=1e-6, atol=1e-7)
 
 
 def test_the_packed_and_split_forms_agree_and_reject_wrong_operands():
   """self_attention over (B, T, 3, H, D) and query_attention over its
-  slices give the same values and gradients; bad shapes and scales are
-  named."""
-  query, key, value, output_grad = _operands(2, 2, 20, 20, 16)
-  packed_output, packed_vjp = _kernel(query, key, value)
+  slices give the same values and gradients; bad shapes, bias and scales
+  are named."""
+  query, key, value, output_grad, bias = _operands(2, 2, 20, 20, 16)
+  packed_output, packed_vjp = _kernel(query, key, value, bias)
   scale = 16 ** -0.5
   split_output, split_vjp = jax.vjp(
-      lambda query, keys_values: cpu_attention.query_attention(
-          query, keys_values, scale), query, np.stack([key, value], axis=2))
+      lambda query, keys_values, bias: cpu_attention.query_attention(
+          query, keys_values, bias, scale),
+      query, np.stack([key, value], axis=2), bias)
   np.testing.assert_array_equal(packed_output, split_output)
-  d_query, d_keys_values = split_vjp(output_grad)
+  d_query, d_keys_values, d_bias = split_vjp(output_grad)
   d_packed = packed_vjp(output_grad)
   np.testing.assert_array_equal(d_packed[0], d_query)
   np.testing.assert_array_equal(d_packed[1], d_keys_values[:, :, 0])
   np.testing.assert_array_equal(d_packed[2], d_keys_values[:, :, 1])
+  np.testing.assert_array_equal(d_packed[3], d_bias)
+  packed = np.stack([query, key, value], 2)
   with pytest.raises(ValueError, match="scale must be positive"):
-    cpu_attention.self_attention(np.stack([query, key, value], 2), 0.0)
+    cpu_attention.self_attention(packed, bias, 0.0)
+  with pytest.raises(ValueError, match=r"bias must be \(3, heads, head_dim"):
+    cpu_attention.self_attention(packed, bias[:2], scale)
   with pytest.raises(Exception, match=r"\(B, T, 3, H, D\)"):
-    cpu_attention.self_attention(np.stack([query, key], 2), scale)
+    cpu_attention.self_attention(packed[:, :, :2], bias, scale)
   with pytest.raises(Exception, match=r"\(B, Tk, 2, H, D\)"):
-    cpu_attention.query_attention(query, np.stack([key, value], 2)[:1],
-                                  scale)
+    cpu_attention.query_attention(query, packed[:1, :, 1:], bias, scale)
 
 
 def _rounded(x):
@@ -159,41 +175,44 @@ def test_bfloat16_products_match_the_float64_reference_of_rounded_operands(
   four products round their operands too (dO, V, K, Q, P, dS): within a
   bfloat16 step or two of float64's (with AMX or without: the AVX2 and
   SSE builds run this test too)."""
-  query, key, value, output_grad = _operands(batch, heads, query_tokens,
-                                             key_tokens, head_dim)
-  q, k, v = _rounded(query), _rounded(key), _rounded(value)
+  query, key, value, output_grad, bias = _operands(
+      batch, heads, query_tokens, key_tokens, head_dim)
+  # The rounding applies to q, k and v, their bias added.
+  q, k, v = (_rounded(x + b) for x, b in zip((query, key, value), bias))
   logits = head_dim ** -0.5 * np.einsum("bqhd,bkhd->bhqk", q, k)
   p = np.exp(logits - logits.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
   expected = np.einsum("bhqk,bkhd->bqhd", p, v)
-  output = np.asarray(_inference(query, key, value, jnp.bfloat16))
+  output = np.asarray(_inference(query, key, value, bias, jnp.bfloat16))
   bound = 2.0**-9 * np.abs(v).max()
   assert np.abs(output - expected).max() < bound
-  float32 = np.asarray(_inference(query, key, value))
+  float32 = np.asarray(_inference(query, key, value, bias))
   assert np.abs(float32 - expected).max() > 1e-4  # the rounding shows
-  trained, vjp = _kernel(query, key, value, jnp.bfloat16)
+  trained, vjp = _kernel(query, key, value, bias, jnp.bfloat16)
   np.testing.assert_array_equal(trained, output)
   _, expected_gradients = _reference(query, key, value, output_grad,
-                                     head_dim ** -0.5)
+                                     head_dim ** -0.5, bias)
   for got, want in zip(vjp(output_grad), expected_gradients):
     got = np.asarray(got, np.float64)
     assert np.abs(got - want).max() < 2.0**-6 * np.abs(want).max()
     assert np.sum(got * want) > 0.9999 * np.linalg.norm(got) * np.linalg.norm(
         want)
   with pytest.raises(ValueError, match="bfloat16 operands or float32"):
-    _kernel(query, key, value, jnp.float16)
+    _kernel(query, key, value, bias, jnp.float16)
 
 
 def test_extreme_logits_stay_finite_and_exact():
   """A row of large logits (softmax one-hot up to rounding) and one of
   equal logits (uniform)."""
-  query, key, value, output_grad = _operands(1, 1, 2, 40, 16)
+  query, key, value, output_grad, bias = _operands(1, 1, 2, 40, 16)
+  bias[:2] = 0.0  # q and k as drawn below; v's bias kept
   key[0, 7, 0] = 120 * query[0, 0, 0] / np.sum(query[0, 0, 0] ** 2)
   query[0, 0, 0] *= 10  # logit 300 on key 7, far above the rest
   query[0, 1, 0] = 0.0  # all logits 0
-  output, vjp = _kernel(query, key, value)
+  output, vjp = _kernel(query, key, value, bias)
   expected_output, expected_gradients = _reference(query, key, value,
-                                                   output_grad, 0.25)
+                                                   output_grad, 0.25, bias)
+  value = value + bias[2]
   np.testing.assert_allclose(output, expected_output, rtol=2e-5, atol=2e-6)
   np.testing.assert_allclose(output[0, 0, 0], value[0, 7, 0], rtol=1e-5)
   np.testing.assert_allclose(output[0, 1, 0], value[0, :, 0].mean(0),
@@ -211,14 +230,15 @@ def test_vmap_gives_each_slice_its_own_attention():
   packed = np.stack([np.stack(o[:3], axis=2) for o in operands])
   queries = np.stack([o[0][:, :4] for o in operands])  # (3, B, 4, H, D)
   keys_values = packed[0, :, :, 1:]
-  output_grad = operands[0][3]
+  output_grad, bias = operands[0][3:]
 
   def packed_loss(packed):
-    return jnp.sum(cpu_attention.self_attention(packed, 0.25) * output_grad)
+    return jnp.sum(cpu_attention.self_attention(packed, bias, 0.25) *
+                   output_grad)
 
   def query_loss(query):
-    return jnp.sum(cpu_attention.query_attention(query, keys_values, 0.25) *
-                   output_grad[:, :4])
+    return jnp.sum(cpu_attention.query_attention(
+        query, keys_values, bias, 0.25) * output_grad[:, :4])
 
   for loss, inputs in ((packed_loss, packed), (query_loss, queries)):
     mapped = jax.vmap(jax.value_and_grad(loss))(inputs)
@@ -232,22 +252,26 @@ def test_vmap_gives_each_slice_its_own_attention():
 def test_a_batch_split_mesh_runs_the_kernel_per_device_without_gathering():
   mesh = sharding.make_mesh()  # the tests' 8 CPU devices
   assert mesh.size == 8
-  query, key, value, output_grad = _operands(8, 3, 65, 65, 64)
+  """The projections and their gradient split over the batch, the bias
+  replicated: its gradient is each device's sum, all-reduced."""
+  query, key, value, output_grad, bias = _operands(8, 3, 65, 65, 64)
   operands = (np.stack([query, key, value], axis=2), output_grad)
   split = jax.device_put(operands, sharding.batch_sharded(mesh))
 
-  def loss(packed, output_grad):
-    output = cpu_attention.self_attention(packed, 0.125)
+  def loss(packed, bias, output_grad):
+    output = cpu_attention.self_attention(packed, bias, 0.125)
     return jnp.sum(output * output_grad)
 
-  gradient = jax.jit(jax.grad(loss))
-  compiled = gradient.lower(*split).compile().as_text()
+  gradient = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  compiled = gradient.lower(split[0], bias, split[1]).compile().as_text()
   assert "VitAttentionPackedBackward" in compiled
   assert not re.search(r"all-gather|all-to-all|collective-permute",
                        compiled)
-  got = gradient(*split)
+  got, got_bias = gradient(split[0], bias, split[1])
+  expected, expected_bias = gradient(operands[0], bias, operands[1])
   assert got.sharding.is_equivalent_to(sharding.batch_sharded(mesh), 5)
-  np.testing.assert_array_equal(got, gradient(*operands))  # same sums
+  np.testing.assert_array_equal(got, expected)  # same kernel, same sums
+  np.testing.assert_allclose(got_bias, expected_bias, rtol=1e-5, atol=1e-5)
 
 
 _DIMS = dict(num_classes=5, patch_size=4, hidden_size=48, num_layers=2,

@@ -22,11 +22,14 @@ Without a compiler, or if the build fails, `problem` says why and the model
 takes its einsums ("auto") or raises ("cpu_kernel").
 
 `self_attention` reads q, k and v where the projections' one matmul puts
-them, (B, T, 3, heads, head_dim), and writes its output where the output
-projection reads it, (B, T, heads, head_dim); its gradient goes back into
-the projections' layout the same way. Why: the transposes to and from
-(B, heads, T, head_dim) took ~4% of a ViT-Ti/16 @224 train step
-(docs/performance.md, *The attention kernel in the projections' layout*).
+them, (B, T, 3, heads, head_dim), adding their bias itself, and writes its
+output where the output projection reads it, (B, T, heads, head_dim); the
+projections' gradient goes back into their layout the same way, and the
+bias's gradient is summed in the kernel. Why: the transposes to and from
+(B, heads, T, head_dim), the bias's addition and its gradient's column
+sums took ~5% of a ViT-Ti/16 @224 train step as XLA's own fusions
+(docs/performance.md, *The attention kernel in the projections'
+layout*).
 `query_attention` is the same core for queries projected on their own (the
 last block's class token). Both are differentiable and shard over the
 batch: under `jax.jit` with a batch-split mesh each device runs the kernel
@@ -80,7 +83,8 @@ def _shapes(*avals):
 
 
 def _outputs(operands) -> tuple:
-  """The output's (shape, dtype) for a family's operands: (B, Tq, H, D)."""
+  """The output's (shape, dtype) for a family's operands (the last one
+  the bias): (B, Tq, H, D)."""
   first = operands[0]
   shape = first.shape if first.ndim == 4 else (
       first.shape[:2] + first.shape[3:])  # packed (B, T, 3, H, D)
@@ -90,16 +94,16 @@ def _outputs(operands) -> tuple:
 def _probabilities(operands) -> tuple:
   """The probabilities' (shape, dtype): (B, H, Tq, padded keys)."""
   batch, query_tokens, heads = _outputs(operands)[0][:3]
-  key_tokens = operands[-1].shape[1]
+  key_tokens = operands[-2].shape[1]
   return (batch, heads, query_tokens, padded_keys(key_tokens)), jnp.float32
 
 
 def _family(name: str, num_operands: int, suffix: str) -> _Kernels:
   """The primitives of handlers VitAttention<name>...<suffix> ("" float32,
-  "Bf16" bfloat16 operands): operands then
-  probabilities and the output's gradient for the gradient, whose results
-  are the operands' gradients. Each batch element is independent: one
-  batch axis."""
+  "Bf16" bfloat16 operands): operands (the projections, then their bias
+  (B, 3, H, D)), then the probabilities and the output's gradient for the
+  gradient, whose results are the operands' gradients (the bias's per
+  batch element). Each batch element is independent: one batch axis."""
   def training(*operands):
     return [_outputs(operands), _probabilities(operands)]
 
@@ -117,8 +121,8 @@ def _family(name: str, num_operands: int, suffix: str) -> _Kernels:
 
 
 # (packed, split) families: float32 products, and bfloat16 operands.
-_FLOAT32 = (_family("Packed", 1, ""), _family("Split", 2, ""))
-_BFLOAT16 = (_family("Packed", 1, "Bf16"), _family("Split", 2, "Bf16"))
+_FLOAT32 = (_family("Packed", 2, ""), _family("Split", 3, ""))
+_BFLOAT16 = (_family("Packed", 2, "Bf16"), _family("Split", 3, "Bf16"))
 
 
 def _families(operand_dtype: Any) -> tuple[_Kernels, _Kernels]:
@@ -133,13 +137,22 @@ def _families(operand_dtype: Any) -> tuple[_Kernels, _Kernels]:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _core(kernels: _Kernels, scale: float, *operands: jax.Array
-          ) -> jax.Array:
-  (output,) = kernels.inference.bind(*operands, scale=np.float32(scale))
+def _core(kernels: _Kernels, scale: float, bias: jax.Array,
+          *projections: jax.Array) -> jax.Array:
+  (output,) = kernels.inference.bind(*projections, _per_batch(bias,
+                                                              projections),
+                                     scale=np.float32(scale))
   return output
 
 
-def _core_forward(kernels, scale, *operands):
+def _per_batch(bias: jax.Array, projections) -> jax.Array:
+  """bias (3, H, D) once per batch element, (B, 3, H, D): every operand of
+  the kernel has the batch axis, which the partitioner splits."""
+  return jnp.broadcast_to(bias, (projections[0].shape[0], *bias.shape))
+
+
+def _core_forward(kernels, scale, bias, *projections):
+  operands = (*projections, _per_batch(bias, projections))
   output, probabilities = kernels.training.bind(*operands,
                                                 scale=np.float32(scale))
   return output, (operands, probabilities)
@@ -147,28 +160,36 @@ def _core_forward(kernels, scale, *operands):
 
 def _core_backward(kernels, scale, residuals, output_grad):
   operands, probabilities = residuals
-  return tuple(kernels.gradient.bind(*operands, probabilities, output_grad,
-                                     scale=np.float32(scale)))
+  *projection_grads, bias_grad = kernels.gradient.bind(
+      *operands, probabilities, output_grad, scale=np.float32(scale))
+  return (jnp.sum(bias_grad, axis=0), *projection_grads)
 
 
 _core.defvjp(_core_forward, _core_backward)
 
 
-def _check_scale(scale: float) -> float:
+def _check(scale: float, bias: jax.Array, heads_dims: tuple) -> float:
   if not scale > 0:
     raise ValueError(f"the attention kernel's scale must be positive, not "
                      f"{scale}")
+  if bias.shape != (3, *heads_dims):
+    raise ValueError(f"the attention kernel's bias must be (3, heads, "
+                     f"head_dim) = {(3, *heads_dims)}, not {bias.shape}")
   return float(scale)
 
 
-def self_attention(projections: jax.Array, scale: float,
+def self_attention(projections: jax.Array, bias: jax.Array, scale: float,
                    operand_dtype: Any = None) -> jax.Array:
-  """softmax(scale q k^T) v per batch element and head, float32 on CPU.
+  """softmax(scale q k^T) v per batch element and head, float32 on CPU,
+  where q, k and v are the projections plus their bias.
 
   projections: (B, T, 3, H, D), the query, key and value projections of
-  each token as one matmul lays them out; returns (B, T, H, D), as the
+  each token as one matmul lays them out, without their bias; bias
+  (3, H, D), the query's, key's and value's. Returns (B, T, H, D), as the
   output projection reads it. The kernel reads and writes those layouts
-  (its gradient too, as one (B, T, 3, H, D) array): no transposes around
+  (the projections' gradient too, as one (B, T, 3, H, D) array), adds the
+  bias as it copies a pair's rows out and sums the bias's gradient as it
+  writes them back: no transposes, bias addition or column sums around
   it. With operand_dtype bfloat16 every product of the forward and
   backward passes (two and four) reads its operands rounded to bfloat16
   and sums in float32, as the model's bfloat16 products do; the softmax
@@ -176,13 +197,16 @@ def self_attention(projections: jax.Array, scale: float,
   tile products. Needs `problem(...)` to be None.
   """
   packed, _ = _families(operand_dtype)
-  return _core(packed, _check_scale(scale), projections)
+  return _core(packed, _check(scale, bias, projections.shape[3:]), bias,
+               projections)
 
 
-def query_attention(query: jax.Array, keys_values: jax.Array, scale: float,
+def query_attention(query: jax.Array, keys_values: jax.Array,
+                    bias: jax.Array, scale: float,
                     operand_dtype: Any = None) -> jax.Array:
   """`self_attention` for queries of their own: query (B, Tq, H, D) (e.g.
-  the class token's alone), keys_values (B, Tk, 2, H, D); returns
-  (B, Tq, H, D)."""
+  the class token's alone), keys_values (B, Tk, 2, H, D), both without
+  their bias; bias (3, H, D) as there. Returns (B, Tq, H, D)."""
   _, split = _families(operand_dtype)
-  return _core(split, _check_scale(scale), query, keys_values)
+  return _core(split, _check(scale, bias, query.shape[2:]), bias, query,
+               keys_values)

@@ -138,22 +138,26 @@ class MultiHeadSelfAttention(nn.Module):
         name="out")
     scale = 1 / head_dim ** 0.5
 
+    # The C++ kernel adds the projections' bias itself (cpu_attention).
+    add_bias = fused != "cpu_kernel"
     if num_query_tokens is None:
       stacked = self._project(
-          x, [projections[n] for n in ("query", "key", "value")], products)
+          x, [projections[n] for n in ("query", "key", "value")], products,
+          add_bias)
       if fused == "cpu_kernel":  # reads the projections' own layout
-        attended = cpu_attention.self_attention(stacked, scale,
-                                                self.matmul_dtype)
+        attended = cpu_attention.self_attention(
+            stacked, self._bias(projections), scale, self.matmul_dtype)
         return per_token(output, attended, grouped)
       query, key, value = self._split(stacked, fused)
     else:  # only the first num_query_tokens tokens query
       queries = self._project(x[:, :num_query_tokens], [projections["query"]],
-                              products)
+                              products, add_bias)
       keys_values = self._project(
-          x, [projections["key"], projections["value"]], products)
+          x, [projections["key"], projections["value"]], products, add_bias)
       if fused == "cpu_kernel":
         attended = cpu_attention.query_attention(
-            queries[:, :, 0], keys_values, scale, self.matmul_dtype)
+            queries[:, :, 0], keys_values, self._bias(projections), scale,
+            self.matmul_dtype)
         return per_token(output, attended, grouped)
       (query,) = self._split(queries, fused)
       key, value = self._split(keys_values, fused)
@@ -170,20 +174,27 @@ class MultiHeadSelfAttention(nn.Module):
 
   def _project(self, inputs: jax.Array,
                projections: list[tuple[jax.Array, jax.Array]],
-               products: str) -> jax.Array:
+               products: str, add_bias: bool) -> jax.Array:
     """(B, T, D) -> (B, T, P, heads, head_dim): the P projections from one
     matmul, (B*T, D) @ (D, P*D), which runs faster on XLA:CPU than P of
-    (D, D)."""
+    (D, D); their bias added unless add_bias is False."""
     kernel = jnp.concatenate([kernel for kernel, _ in projections], axis=1)
     bias = jnp.concatenate([bias for _, bias in projections])
     inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias,
                                                    dtype=self.dtype)
     outputs = per_token(lambda tokens: matmuls.dense_dot_general(
         tokens, kernel, (((tokens.ndim - 1,), (0,)), ((), ())),
-        operand_dtype=self.matmul_dtype, implementation=products) + bias,
-                        inputs, products == "onednn")
+        operand_dtype=self.matmul_dtype, implementation=products) + (
+            bias if add_bias else 0), inputs, products == "onednn")
     return outputs.reshape(*outputs.shape[:2], len(projections),
                            self.num_heads, -1)
+
+  def _bias(self, projections: dict[str, tuple[jax.Array, jax.Array]]
+            ) -> jax.Array:
+    """The query's, key's and value's bias, (3, heads, head_dim)."""
+    return jnp.stack([projections[name][1].astype(self.dtype)
+                      for name in ("query", "key", "value")]).reshape(
+                          3, self.num_heads, -1)
 
   def _split(self, stacked: jax.Array, fused: Optional[str]
              ) -> list[jax.Array]:

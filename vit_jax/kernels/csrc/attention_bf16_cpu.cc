@@ -41,13 +41,6 @@ void Round(int64_t n, const float* x, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = FromBfloat16(ToBfloat16(x[i]));
 }
 
-// Round for rows x columns of x (leading dimension ld) into contiguous out.
-void RoundRows(int64_t rows, int64_t columns, const float* x, int64_t ld,
-               float* out) {
-  for (int64_t r = 0; r < rows; ++r)
-    Round(columns, x + r * ld, out + r * columns);
-}
-
 // Rows x columns of x (contiguous) into out (leading dimension ld).
 void CopyRows(int64_t rows, int64_t columns, const float* x, float* out,
               int64_t ld) {
@@ -70,9 +63,9 @@ void ForwardPairRounded(const Shape& s, const float* q, const float* k,
   float* kt = vr + tk * d;
   float* pr = kt + d * tkp;
   if (p == nullptr) p = pr + tq * tkp;
-  RoundRows(tq, d, q, s.q_row, qr);
-  RoundRows(tk, d, k, s.kv_row, kr);
-  RoundRows(tk, d, v, s.kv_row, vr);
+  Round(tq * d, q, qr);
+  Round(tk * d, k, kr);
+  Round(tk * d, v, vr);
   Transpose(tk, d, kr, d, tkp, kt);
   Product(tq, tkp, d, qr, d, 1, kt, tkp, p, tkp);
   Softmax(tq, tk, tkp, s.scale, p);
@@ -97,10 +90,10 @@ void BackwardPairRounded(const Shape& s, const float* q, const float* k,
   float* pr = vr + tk * d;
   float* ds = pr + tq * tkp;
   float* vt = ds + tq * tkp;
-  RoundRows(tq, d, q, s.q_row, qr);
-  RoundRows(tq, d, dout, s.o_row, gr);
-  RoundRows(tk, d, k, s.kv_row, kr);
-  RoundRows(tk, d, v, s.kv_row, vr);
+  Round(tq * d, q, qr);
+  for (int64_t r = 0; r < tq; ++r) Round(d, dout + r * s.o_row, gr + r * d);
+  Round(tk * d, k, kr);
+  Round(tk * d, v, vr);
   Round(tq * tkp, p, pr);
   Product(tk, d, tq, pr, 1, tkp, gr, d, dv, s.kv_row);  // dV = P^T dO
   Transpose(tk, d, vr, d, tkp, vt);
@@ -129,9 +122,9 @@ void ForwardPairAmx(const Shape& s, const float* q, const float* k,
   uint32_t* krows = pw + pn;
   float* logits = reinterpret_cast<float*>(krows + rows);  // tqt x tkp
   float* out = logits + tqt * tkp;
-  ToBfloat16Rows(tq, d, q, s.q_row, tqt, dd, reinterpret_cast<uint16_t*>(qw));
-  PairColumns(tk, d, k, s.kv_row, dd / 2, tkp, kw, krows);
-  PairRows(tk, d, v, s.kv_row, tkd / 2, vw);
+  ToBfloat16Rows(tq, d, q, d, tqt, dd, reinterpret_cast<uint16_t*>(qw));
+  PairColumns(tk, d, k, d, dd / 2, tkp, kw, krows);
+  PairRows(tk, d, v, d, tkd / 2, vw);
   const ScopedTiles tiles;
   TileProduct(tqt / 16, tkp / 16, dd, reinterpret_cast<uint16_t*>(qw), dd * 2,
               kw, tkp * 4, logits, tkp);
@@ -175,24 +168,26 @@ void BackwardPairAmx(const Shape& s, const float* q, const float* k,
   PairRows(tq, tkp, p, tkp, tqd / 2, b);
   TileProduct(d / 16, tkp / 16, tqd, a16, tqd * 2, b, tkp * 4, product, tkp);
   for (int64_t n = 0; n < tk; ++n)
-    for (int64_t c = 0; c < d; ++c) dv[n * s.kv_row + c] = product[c * tkp + n];
+    for (int64_t c = 0; c < d; ++c)
+      dv[n * s.kv_row + c] = product[c * tkp + n];
   // dP = dO V^T, then dS in its place
   ToBfloat16Rows(tq, d, dout, s.o_row, tqt, dd, a16);
-  PairColumns(tk, d, v, s.kv_row, dd / 2, tkp, b, scratch);
+  PairColumns(tk, d, v, d, dd / 2, tkp, b, scratch);
   TileProduct(tqt / 16, tkp / 16, dd, a16, dd * 2, b, tkp * 4, ds, tkp);
   SoftmaxGradient(tq, tkp, s.scale, p, ds);
   // dQ = dS K
   ToBfloat16Rows(tq, tkp, ds, tkp, tqt, tkd, a16);
-  PairRows(tk, d, k, s.kv_row, tkd / 2, b);
+  PairRows(tk, d, k, d, tkd / 2, b);
   TileProduct(tqt / 16, d / 16, tkd, a16, tkd * 2, b, d * 4, product, d);
   CopyRows(tq, d, product, dq, s.q_row);
   // dK = (Q^T dS)^T, the same way round
-  ToBfloat16Transposed(tq, d, q, s.q_row, d, tqd, a16,
+  ToBfloat16Transposed(tq, d, q, d, d, tqd, a16,
                        reinterpret_cast<uint16_t*>(scratch));
   PairRows(tq, tkp, ds, tkp, tqd / 2, b);
   TileProduct(d / 16, tkp / 16, tqd, a16, tqd * 2, b, tkp * 4, product, tkp);
   for (int64_t n = 0; n < tk; ++n)
-    for (int64_t c = 0; c < d; ++c) dk[n * s.kv_row + c] = product[c * tkp + n];
+    for (int64_t c = 0; c < d; ++c)
+      dk[n * s.kv_row + c] = product[c * tkp + n];
 }
 
 void ForwardPairBf16(const Shape& s, const float* q, const float* k,

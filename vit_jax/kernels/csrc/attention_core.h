@@ -147,12 +147,13 @@ void SoftmaxGradient(int64_t rows, int64_t padded, float scale, const float* p,
   }
 }
 
-// One call's pairs and where each pair's rows lie. The arrays are
-// token-major, as the projections lay them out: a pair (batch b, head h)
-// reads head_dim floats per token at column h * head_dim, one token's row
-// q_row (queries and their gradient), kv_row (keys, values, theirs) or
-// o_row (outputs, theirs) floats after the last. The probabilities are
-// (B, H, Tq, padded_keys), contiguous per pair.
+// One call's pairs and where each pair's rows lie. A pair (batch b, head
+// h) reads its q, k and v as contiguous rows of head_dim floats (copied
+// out of the projections, attention_handlers.h) and writes its output and
+// gradients into token-major arrays, at column h * head_dim, one token's
+// row q_row (the queries' gradient), kv_row (the keys' and values') or
+// o_row (the output, and its gradient, which it reads) floats after the
+// last. The probabilities are (B, H, Tq, padded_keys), contiguous per pair.
 struct Shape {
   int64_t batch, heads, query_tokens, key_tokens, padded_keys, head_dim;
   int64_t q_row, kv_row, o_row;
