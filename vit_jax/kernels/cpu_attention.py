@@ -44,7 +44,7 @@ from jax.extend import core
 import jax.numpy as jnp
 import numpy as np
 
-from vit_jax.kernels import cpu_build
+from vit_jax.kernels import cpu_build, cpu_gemm
 
 LANES = 16  # the kernel's vector width in floats: head_dim must divide by it
 
@@ -139,10 +139,16 @@ def _families(operand_dtype: Any) -> tuple[_Kernels, _Kernels]:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _core(kernels: _Kernels, scale: float, bias: jax.Array,
           *projections: jax.Array) -> jax.Array:
-  (output,) = kernels.inference.bind(*projections, _per_batch(bias,
-                                                              projections),
-                                     scale=np.float32(scale))
+  (output,) = kernels.inference.bind(
+      *projections, _per_batch(bias, projections), **_attributes(scale))
   return output
+
+
+def _attributes(scale: float) -> dict:
+  """The handlers' attributes: the logits' scale, and the threads a call's
+  pairs run on, the device's cores (with a device per core, vit_jax's
+  default, one: a helper thread would take the other device's core)."""
+  return dict(scale=np.float32(scale), threads=cpu_gemm.tasks_per_device())
 
 
 def _per_batch(bias: jax.Array, projections) -> jax.Array:
@@ -154,14 +160,14 @@ def _per_batch(bias: jax.Array, projections) -> jax.Array:
 def _core_forward(kernels, scale, bias, *projections):
   operands = (*projections, _per_batch(bias, projections))
   output, probabilities = kernels.training.bind(*operands,
-                                                scale=np.float32(scale))
+                                                **_attributes(scale))
   return output, (operands, probabilities)
 
 
 def _core_backward(kernels, scale, residuals, output_grad):
   operands, probabilities = residuals
   *projection_grads, bias_grad = kernels.gradient.bind(
-      *operands, probabilities, output_grad, scale=np.float32(scale))
+      *operands, probabilities, output_grad, **_attributes(scale))
   return (jnp.sum(bias_grad, axis=0), *projection_grads)
 
 

@@ -76,7 +76,7 @@ BiasedPair WithBias(const Shape& s, const Operands& in, int64_t i) {
 // v the three slots of each token's row.
 ffi::Error PackedShape(const ffi::Buffer<ffi::F32>& qkv,
                        const ffi::Buffer<ffi::F32>& bias, float scale,
-                       Shape* shape, Operands* operands) {
+                       int64_t threads, Shape* shape, Operands* operands) {
   auto dims = qkv.dimensions(), bd = bias.dimensions();
   if (dims.size() != 5 || dims[2] != 3 || dims[4] % kPad != 0 ||
       bd.size() != 4 || bd[0] != dims[0] || bd[1] != 3 || bd[2] != dims[3] ||
@@ -87,7 +87,7 @@ ffi::Error PackedShape(const ffi::Buffer<ffi::F32>& qkv,
         "positive");
   const int64_t width = dims[3] * dims[4];
   *shape = Shape{dims[0], dims[3], dims[1], dims[1], RoundUp(dims[1]),
-                 dims[4], 3 * width, 3 * width, width, scale};
+                 dims[4], 3 * width, 3 * width, width, scale, threads};
   const float* data = qkv.typed_data();
   *operands = Operands{data, data + width, data + 2 * width,
                        bias.typed_data()};
@@ -99,7 +99,7 @@ ffi::Error PackedShape(const ffi::Buffer<ffi::F32>& qkv,
 ffi::Error SplitShape(const ffi::Buffer<ffi::F32>& q,
                       const ffi::Buffer<ffi::F32>& kv,
                       const ffi::Buffer<ffi::F32>& bias, float scale,
-                      Shape* shape, Operands* operands) {
+                      int64_t threads, Shape* shape, Operands* operands) {
   auto qd = q.dimensions(), kd = kv.dimensions(), bd = bias.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || kd[2] != 2 || qd[0] != kd[0] ||
       qd[2] != kd[3] || qd[3] != kd[4] || qd[3] % kPad != 0 ||
@@ -111,7 +111,7 @@ ffi::Error SplitShape(const ffi::Buffer<ffi::F32>& q,
         "(B, 3, H, D), and the scale positive");
   const int64_t width = qd[2] * qd[3];
   *shape = Shape{qd[0], qd[2], qd[1], kd[1], RoundUp(kd[1]), qd[3], width,
-                 2 * width, width, scale};
+                 2 * width, width, scale, threads};
   *operands = Operands{q.typed_data(), kv.typed_data(),
                        kv.typed_data() + width, bias.typed_data()};
   return ffi::Error::Success();
@@ -135,7 +135,7 @@ void Forward(ffi::ThreadPool& pool, const Shape& s, const Operands& in,
     forward_pair(s, pair.q, pair.k, pair.v,
                  o + PairOffset(s, i, s.query_tokens, s.o_row),
                  p ? p + i * s.query_tokens * s.padded_keys : nullptr);
-  });
+  }, s.threads);
 }
 
 // The backward pass of every pair: dq, dk and dv at the offsets of q, k
@@ -155,21 +155,23 @@ void Backward(ffi::ThreadPool& pool, const Shape& s, const Operands& in,
     ColumnSums(tq, d, dq + qo, s.q_row, dbias + BiasOffset(s, i, 0));
     ColumnSums(tk, d, dk + ko, s.kv_row, dbias + BiasOffset(s, i, 1));
     ColumnSums(tk, d, dv + ko, s.kv_row, dbias + BiasOffset(s, i, 2));
-  });
+  }, s.threads);
 }
 
 // The six XLA FFI handlers over a pair's forward and backward functions:
 // self-attention over packed projections (B, T, 3, H, D), and attention
 // from split queries (B, Tq, H, D) to keys and values (B, Tk, 2, H, D),
 // each with the projections' bias (B, 3, H, D); outputs (B, Tq, H, D),
-// probabilities (B, H, Tq, padded keys).
+// probabilities (B, H, Tq, padded keys). Attributes: the logits' scale and
+// the threads the pairs run on (Shape).
 template <ForwardPairFunction kForwardPair>
 ffi::Error PackedForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
                          ffi::Buffer<ffi::F32> bias, float scale,
-                         ffi::ResultBuffer<ffi::F32> o, float* p) {
+                         int64_t threads, ffi::ResultBuffer<ffi::F32> o,
+                         float* p) {
   Shape s;
   Operands in;
-  if (ffi::Error error = PackedShape(qkv, bias, scale, &s, &in);
+  if (ffi::Error error = PackedShape(qkv, bias, scale, threads, &s, &in);
       error.failure())
     return error;
   Forward(pool, s, in, o->typed_data(), p, kForwardPair);
@@ -179,28 +181,30 @@ ffi::Error PackedForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
 template <ForwardPairFunction kForwardPair>
 ffi::Error PackedForTraining(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
                              ffi::Buffer<ffi::F32> bias, float scale,
-                             ffi::ResultBuffer<ffi::F32> o,
+                             int64_t threads, ffi::ResultBuffer<ffi::F32> o,
                              ffi::ResultBuffer<ffi::F32> p) {
-  return PackedForward<kForwardPair>(pool, qkv, bias, scale, o,
+  return PackedForward<kForwardPair>(pool, qkv, bias, scale, threads, o,
                                      p->typed_data());
 }
 
 template <ForwardPairFunction kForwardPair>
 ffi::Error PackedForInference(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
                               ffi::Buffer<ffi::F32> bias, float scale,
+                              int64_t threads,
                               ffi::ResultBuffer<ffi::F32> o) {
-  return PackedForward<kForwardPair>(pool, qkv, bias, scale, o, nullptr);
+  return PackedForward<kForwardPair>(pool, qkv, bias, scale, threads, o,
+                                     nullptr);
 }
 
 template <BackwardPairFunction kBackwardPair>
 ffi::Error PackedBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
                           ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> p,
                           ffi::Buffer<ffi::F32> dout, float scale,
-                          ffi::ResultBuffer<ffi::F32> dqkv,
+                          int64_t threads, ffi::ResultBuffer<ffi::F32> dqkv,
                           ffi::ResultBuffer<ffi::F32> dbias) {
   Shape s;
   Operands in;
-  if (ffi::Error error = PackedShape(qkv, bias, scale, &s, &in);
+  if (ffi::Error error = PackedShape(qkv, bias, scale, threads, &s, &in);
       error.failure())
     return error;
   float* d = dqkv->typed_data();
@@ -213,10 +217,11 @@ ffi::Error PackedBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
 template <ForwardPairFunction kForwardPair>
 ffi::Error SplitForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                         ffi::Buffer<ffi::F32> kv, ffi::Buffer<ffi::F32> bias,
-                        float scale, ffi::ResultBuffer<ffi::F32> o, float* p) {
+                        float scale, int64_t threads,
+                        ffi::ResultBuffer<ffi::F32> o, float* p) {
   Shape s;
   Operands in;
-  if (ffi::Error error = SplitShape(q, kv, bias, scale, &s, &in);
+  if (ffi::Error error = SplitShape(q, kv, bias, scale, threads, &s, &in);
       error.failure())
     return error;
   Forward(pool, s, in, o->typed_data(), p, kForwardPair);
@@ -227,9 +232,9 @@ template <ForwardPairFunction kForwardPair>
 ffi::Error SplitForTraining(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                             ffi::Buffer<ffi::F32> kv,
                             ffi::Buffer<ffi::F32> bias, float scale,
-                            ffi::ResultBuffer<ffi::F32> o,
+                            int64_t threads, ffi::ResultBuffer<ffi::F32> o,
                             ffi::ResultBuffer<ffi::F32> p) {
-  return SplitForward<kForwardPair>(pool, q, kv, bias, scale, o,
+  return SplitForward<kForwardPair>(pool, q, kv, bias, scale, threads, o,
                                     p->typed_data());
 }
 
@@ -237,20 +242,23 @@ template <ForwardPairFunction kForwardPair>
 ffi::Error SplitForInference(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                              ffi::Buffer<ffi::F32> kv,
                              ffi::Buffer<ffi::F32> bias, float scale,
+                             int64_t threads,
                              ffi::ResultBuffer<ffi::F32> o) {
-  return SplitForward<kForwardPair>(pool, q, kv, bias, scale, o, nullptr);
+  return SplitForward<kForwardPair>(pool, q, kv, bias, scale, threads, o,
+                                    nullptr);
 }
 
 template <BackwardPairFunction kBackwardPair>
 ffi::Error SplitBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                          ffi::Buffer<ffi::F32> kv, ffi::Buffer<ffi::F32> bias,
                          ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> dout,
-                         float scale, ffi::ResultBuffer<ffi::F32> dq,
+                         float scale, int64_t threads,
+                         ffi::ResultBuffer<ffi::F32> dq,
                          ffi::ResultBuffer<ffi::F32> dkv,
                          ffi::ResultBuffer<ffi::F32> dbias) {
   Shape s;
   Operands in;
-  if (ffi::Error error = SplitShape(q, kv, bias, scale, &s, &in);
+  if (ffi::Error error = SplitShape(q, kv, bias, scale, threads, &s, &in);
       error.failure())
     return error;
   float* d = dkv->typed_data();
@@ -273,6 +281,7 @@ ffi::Error SplitBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
           .Arg<ffi::Buffer<ffi::F32>>()                                      \
           .Arg<ffi::Buffer<ffi::F32>>()                                      \
           .Attr<float>("scale")                                              \
+          .Attr<int64_t>("threads")                                          \
           .Ret<ffi::Buffer<ffi::F32>>()                                      \
           .Ret<ffi::Buffer<ffi::F32>>());                                    \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                             \
@@ -283,6 +292,7 @@ ffi::Error SplitBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
           .Arg<ffi::Buffer<ffi::F32>>()                                      \
           .Arg<ffi::Buffer<ffi::F32>>()                                      \
           .Attr<float>("scale")                                              \
+          .Attr<int64_t>("threads")                                          \
           .Ret<ffi::Buffer<ffi::F32>>());                                    \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                             \
       VitAttentionPackedBackward##SUFFIX,                                    \
@@ -294,6 +304,7 @@ ffi::Error SplitBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
           .Arg<ffi::Buffer<ffi::F32>>()                                      \
           .Arg<ffi::Buffer<ffi::F32>>()                                      \
           .Attr<float>("scale")                                              \
+          .Attr<int64_t>("threads")                                          \
           .Ret<ffi::Buffer<ffi::F32>>()                                      \
           .Ret<ffi::Buffer<ffi::F32>>());                                    \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                             \
@@ -305,6 +316,7 @@ ffi::Error SplitBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
           .Arg<ffi::Buffer<ffi::F32>>()                                      \
           .Arg<ffi::Buffer<ffi::F32>>()                                      \
           .Attr<float>("scale")                                              \
+          .Attr<int64_t>("threads")                                          \
           .Ret<ffi::Buffer<ffi::F32>>()                                      \
           .Ret<ffi::Buffer<ffi::F32>>());                                    \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                             \
@@ -316,6 +328,7 @@ ffi::Error SplitBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
           .Arg<ffi::Buffer<ffi::F32>>()                                      \
           .Arg<ffi::Buffer<ffi::F32>>()                                      \
           .Attr<float>("scale")                                              \
+          .Attr<int64_t>("threads")                                          \
           .Ret<ffi::Buffer<ffi::F32>>());                                    \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                             \
       VitAttentionSplitBackward##SUFFIX,                                     \
@@ -328,6 +341,7 @@ ffi::Error SplitBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
           .Arg<ffi::Buffer<ffi::F32>>()                                      \
           .Arg<ffi::Buffer<ffi::F32>>()                                      \
           .Attr<float>("scale")                                              \
+          .Attr<int64_t>("threads")                                          \
           .Ret<ffi::Buffer<ffi::F32>>()                                      \
           .Ret<ffi::Buffer<ffi::F32>>()                                      \
           .Ret<ffi::Buffer<ffi::F32>>())

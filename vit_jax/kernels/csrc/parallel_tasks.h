@@ -17,11 +17,12 @@
 namespace {
 
 // Runs work(task) for every task in [0, tasks), on the calling thread and
-// up to tasks - 1 of XLA's intra-op threads. Tasks are claimed from a
-// shared counter, so a helper that starts late finds nothing and nobody
-// waits on a task that never ran.
+// up to min(tasks, threads) - 1 of XLA's intra-op threads. Tasks are
+// claimed from a shared counter, so a helper that starts late finds
+// nothing and nobody waits on a task that never ran.
 template <typename Work>
-void ForEachTask(xla::ffi::ThreadPool& pool, int64_t tasks, Work work) {
+void ForEachTask(xla::ffi::ThreadPool& pool, int64_t tasks, Work work,
+                 int64_t threads = INT64_MAX) {
   struct State {
     std::atomic<int64_t> next{0}, done{0};
     std::mutex mutex;
@@ -37,7 +38,8 @@ void ForEachTask(xla::ffi::ThreadPool& pool, int64_t tasks, Work work) {
       }
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
+  const int64_t helpers =
+      std::min<int64_t>({pool.num_threads(), tasks, threads}) - 1;
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(run)(run));
   run();
   std::unique_lock<std::mutex> lock(state->mutex);
