@@ -27,7 +27,7 @@ output where the output projection reads it, (B, T, heads, head_dim); the
 projections' gradient goes back into their layout the same way, and the
 bias's gradient is summed in the kernel. Why: the transposes to and from
 (B, heads, T, head_dim), the bias's addition and its gradient's column
-sums took ~5% of a ViT-Ti/16 @224 train step as XLA's own fusions
+sums took 4-5% of a ViT-Ti/16 @224 train step as XLA's own fusions
 (docs/performance.md, *The attention kernel in the projections'
 layout*).
 `query_attention` is the same core for queries projected on their own (the
