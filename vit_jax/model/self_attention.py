@@ -136,32 +136,12 @@ class MultiHeadSelfAttention(nn.Module):
             matmuls.dense_dot_general, operand_dtype=self.matmul_dtype,
             implementation=products),
         name="out")
-    scale = 1 / head_dim ** 0.5
-
-    # The C++ kernel adds the projections' bias itself (cpu_attention).
-    add_bias = fused != "cpu_kernel"
-    if num_query_tokens is None:
-      stacked = self._project(
-          x, [projections[n] for n in ("query", "key", "value")], products,
-          add_bias)
-      if fused == "cpu_kernel":  # reads the projections' own layout
-        attended = cpu_attention.self_attention(
-            stacked, self._bias(projections), scale, self.matmul_dtype)
-        return per_token(output, attended, grouped)
-      query, key, value = self._split(stacked, fused)
-    else:  # only the first num_query_tokens tokens query
-      queries = self._project(x[:, :num_query_tokens], [projections["query"]],
-                              products, add_bias)
-      keys_values = self._project(
-          x, [projections["key"], projections["value"]], products, add_bias)
-      if fused == "cpu_kernel":
-        attended = cpu_attention.query_attention(
-            queries[:, :, 0], keys_values, self._bias(projections), scale,
-            self.matmul_dtype)
-        return per_token(output, attended, grouped)
-      (query,) = self._split(queries, fused)
-      key, value = self._split(keys_values, fused)
-
+    if fused == "cpu_kernel":
+      attended = self._cpu_kernel_core(x, projections, num_query_tokens,
+                                       products)
+      return per_token(output, attended, grouped)
+    query, key, value = self._queries_keys_values(
+        x, projections, num_query_tokens, fused, products)
     if fused is not None:
       attended = attention.dot_product_attention(
           query, key, value, fused, key_tokens=(
@@ -172,9 +152,49 @@ class MultiHeadSelfAttention(nn.Module):
     attended = self._attend(query, key, value, deterministic, dropout_key)
     return per_token(output, jnp.swapaxes(attended, 1, 2), grouped)
 
+  def _queries_keys_values(self, x: jax.Array, projections: dict,
+                           num_query_tokens: Optional[int],
+                           fused: Optional[str], products: str
+                           ) -> list[jax.Array]:
+    """q, k and v, their bias added, laid out by `_split`; q only for the
+    first num_query_tokens tokens where it is given."""
+    if num_query_tokens is None:
+      return self._split(self._project(
+          x, [projections[n] for n in ("query", "key", "value")], products),
+                         fused)
+    (query,) = self._split(self._project(
+        x[:, :num_query_tokens], [projections["query"]], products), fused)
+    key, value = self._split(self._project(
+        x, [projections["key"], projections["value"]], products), fused)
+    return [query, key, value]
+
+  def _cpu_kernel_core(self, x: jax.Array, projections: dict,
+                       num_query_tokens: Optional[int], products: str
+                       ) -> jax.Array:
+    """The attention core by vit_jax's C++ kernel, which reads the
+    projections in the layout their matmul writes and adds their bias
+    itself (`cpu_attention`): (B, Tq, heads, head_dim)."""
+    bias = jnp.stack([projections[name][1].astype(self.dtype)
+                      for name in ("query", "key", "value")]).reshape(
+                          3, self.num_heads, -1)
+    scale = 1 / bias.shape[-1] ** 0.5
+    if num_query_tokens is None:
+      stacked = self._project(
+          x, [projections[n] for n in ("query", "key", "value")], products,
+          add_bias=False)
+      return cpu_attention.self_attention(stacked, bias, scale,
+                                          self.matmul_dtype)
+    queries = self._project(x[:, :num_query_tokens], [projections["query"]],
+                            products, add_bias=False)
+    keys_values = self._project(
+        x, [projections["key"], projections["value"]], products,
+        add_bias=False)
+    return cpu_attention.query_attention(queries[:, :, 0], keys_values, bias,
+                                         scale, self.matmul_dtype)
+
   def _project(self, inputs: jax.Array,
                projections: list[tuple[jax.Array, jax.Array]],
-               products: str, add_bias: bool) -> jax.Array:
+               products: str, add_bias: bool = True) -> jax.Array:
     """(B, T, D) -> (B, T, P, heads, head_dim): the P projections from one
     matmul, (B*T, D) @ (D, P*D), which runs faster on XLA:CPU than P of
     (D, D); their bias added unless add_bias is False."""
@@ -188,13 +208,6 @@ class MultiHeadSelfAttention(nn.Module):
             bias if add_bias else 0), inputs, products == "onednn")
     return outputs.reshape(*outputs.shape[:2], len(projections),
                            self.num_heads, -1)
-
-  def _bias(self, projections: dict[str, tuple[jax.Array, jax.Array]]
-            ) -> jax.Array:
-    """The query's, key's and value's bias, (3, heads, head_dim)."""
-    return jnp.stack([projections[name][1].astype(self.dtype)
-                      for name in ("query", "key", "value")]).reshape(
-                          3, self.num_heads, -1)
 
   def _split(self, stacked: jax.Array, fused: Optional[str]
              ) -> list[jax.Array]:
