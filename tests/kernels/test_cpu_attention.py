@@ -263,7 +263,14 @@ def test_a_batch_split_mesh_runs_the_kernel_per_device_without_gathering():
     return jnp.sum(output * output_grad)
 
   gradient = jax.jit(jax.grad(loss, argnums=(0, 1)))
-  compiled = gradient.lower(split[0], bias, split[1]).compile().as_text()
+  lowered = gradient.lower(split[0], bias, split[1])
+  # Each device's pairs on its own cores: with 8 devices on this machine's
+  # cores, one thread (no helper from XLA's pool, which would run on
+  # another device's core).
+  threads = max(1, len(os.sched_getaffinity(0)) // 8)
+  assert re.findall(r"threads = (\d+)", lowered.as_text()) == [
+      str(threads)] * 2  # the training forward pass and the gradient
+  compiled = lowered.compile().as_text()
   assert "VitAttentionPackedBackward" in compiled
   assert not re.search(r"all-gather|all-to-all|collective-permute",
                        compiled)
