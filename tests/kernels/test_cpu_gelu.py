@@ -80,9 +80,10 @@ def test_under_a_batch_split_mesh_each_device_takes_its_own_rows():
     (True, None, "xla", True), (True, jnp.bfloat16, "xla", True)])
 def test_gelu_dot_general_takes_the_kernel_for_the_tanh_gelu(
     approximate, operand_dtype, implementation, kernel):
-  """The tanh GELU of float32 inputs runs in the kernel, forward and
-  backward, whichever the products (oneDNN's, XLA's, with bfloat16
-  operands); the exact (erf) GELU keeps XLA's."""
+  """Under differentiation the tanh GELU of float32 inputs runs in the
+  kernel, forward and backward, whichever the products (oneDNN's, XLA's,
+  with bfloat16 operands); the exact (erf) GELU keeps XLA's. Without it
+  (inference) XLA's, which fuses with its neighbours: the same values."""
   if implementation == "onednn" and cpu_gemm.problem() is not None:
     pytest.skip(f"the oneDNN products cannot run: {cpu_gemm.problem()}")
   normal = np.random.default_rng(4).normal
@@ -102,6 +103,12 @@ def test_gelu_dot_general_takes_the_kernel_for_the_tanh_gelu(
   for result, expected in zip(loss(x, weights), reference(x, weights)):
     np.testing.assert_allclose(result, expected, rtol=tolerance,
                                atol=tolerance * np.abs(expected).max())
+  inference = jax.jit(lambda x, w: dot_general(x, w, numbers))
+  assert "VitGelu" not in inference.lower(x, weights).as_text()
+  expected = jnp.einsum("brk,kn->brn", jax.nn.gelu(x, approximate=approximate),
+                        weights)
+  np.testing.assert_allclose(inference(x, weights), expected, rtol=tolerance,
+                             atol=tolerance * np.abs(expected).max())
 
 
 @needs_kernels

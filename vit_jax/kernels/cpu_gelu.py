@@ -10,9 +10,11 @@ vectors, with the CPU's reciprocal estimate where there is one, and, in
 the backward pass, the activations (which the second product's weight
 gradient reads) and the GELU's gradient in one pass over its input.
 
-`matmuls.gelu_dot_general` calls it for float32 inputs on a CPU, on
-(G, rows, mlp_dim) groups of rows (those of the oneDNN products where
-they run).
+`matmuls.gelu_dot_general` calls it for float32 inputs on a CPU under
+differentiation (training), on (G, rows, mlp_dim) groups of rows (those of
+the oneDNN products where they run). Without differentiation XLA's GELU
+runs instead: it then fuses with the bias add before it into one pass,
+which this kernel cannot join.
 """
 
 import jax
