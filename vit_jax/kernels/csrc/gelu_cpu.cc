@@ -46,7 +46,8 @@ constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
 // (1 + tanh(u)) / 2 = 1 / (1 + e), e = exp(-2u), u = sqrt(2 / pi) h (1 +
 // c h^2); e to *e_out.
 inline Vec HalfOnePlusTanh(Vec h, Vec h2, Vec* e_out) {
-  const Vec minus_2u = (-2.0f * kSqrt2OverPi) * h * (1.0f + kCubic * h2);
+  const Vec minus_2u =
+      h * ((-2.0f * kSqrt2OverPi) + (-2.0f * kSqrt2OverPi * kCubic) * h2);
   *e_out = Exp(minus_2u);  // Exp clamps to [-87, 88]
   return Reciprocal(1.0f + *e_out);
 }

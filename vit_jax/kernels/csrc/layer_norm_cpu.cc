@@ -27,12 +27,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-inline float SumOfLanes(Vec v) {
-  float sum = 0.0f;
-  for (int i = 0; i < kLanes; ++i) sum += v[i];
-  return sum;
-}
-
 // The row's mean and 1 / sqrt(variance + epsilon).
 inline void Moments(const float* x, int64_t d, float epsilon, float* mean,
                     float* rstd) {
