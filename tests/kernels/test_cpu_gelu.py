@@ -1,4 +1,5 @@
-"""The MLP's tanh GELU as a C++ kernel (`cpu_gelu`), and where
+"""The MLP's tanh GELU of the first product plus its bias as a C++ kernel
+(`cpu_gelu`), and where
 `matmuls.gelu_dot_general` takes it; the model with it:
 tests/kernels/test_cpu_gemm.py."""
 
@@ -25,14 +26,23 @@ def _inputs(seed: int, *shape: int) -> np.ndarray:
   return x
 
 
-def _gelu_and_gradient_f64(h, activations_grad):
-  """gelu(h) and its vjp, by JAX's autodiff in float64."""
+def _bias(seed: int, n: int) -> np.ndarray:
+  """Normal values, zero where `_inputs` puts its extremes (row 0's first
+  ten columns), which then reach the GELU as they are."""
+  bias = np.random.default_rng(seed).normal(size=n).astype(np.float32)
+  bias[:10] = 0.0
+  return bias
+
+
+def _gelu_and_gradient_f64(h, bias, activations_grad):
+  """gelu(h + bias), its vjp for h and bias's, by JAX's autodiff in
+  float64."""
   with jax.enable_x64(True):
-    h64 = jnp.asarray(h, jnp.float64)
     activations, vjp = jax.vjp(
-        lambda x: jax.nn.gelu(x, approximate=True), h64)
-    (h_grad,) = vjp(jnp.asarray(activations_grad, jnp.float64))
-    return np.asarray(activations), np.asarray(h_grad)
+        lambda x, b: jax.nn.gelu(x + b, approximate=True),
+        jnp.asarray(h, jnp.float64), jnp.asarray(bias, jnp.float64))
+    h_grad, bias_grad = vjp(jnp.asarray(activations_grad, jnp.float64))
+    return np.asarray(activations), np.asarray(h_grad), np.asarray(bias_grad)
 
 
 @needs_kernels
@@ -40,38 +50,51 @@ def _gelu_and_gradient_f64(h, activations_grad):
 @pytest.mark.parametrize("shape", [(2, 197, 64), (3, 5, 17), (1, 7)])
 def test_values_and_gradients_match_a_float64_reference(monkeypatch, tasks,
                                                         shape):
-  """Every group split into `tasks` blocks, lengths that are not whole
-  vectors, and tails where tanh saturates or exp would overflow."""
+  """Every group's rows split into `tasks` blocks (their bias gradients
+  summed), rows that are not whole vectors, and tails where tanh saturates
+  or exp would overflow."""
   monkeypatch.setattr(cpu_gemm, "tasks_per_device", lambda: tasks)
   h = _inputs(0, *shape)
-  activations_grad = np.random.default_rng(1).normal(size=shape).astype(
+  bias = _bias(1, shape[-1])
+  activations_grad = np.random.default_rng(2).normal(size=shape).astype(
       np.float32)
-  expected, expected_grad = _gelu_and_gradient_f64(h, activations_grad)
-  forward = jax.jit(cpu_gelu.gelu)(h)
-  activations, h_grad = jax.jit(cpu_gelu.gelu_and_gradient)(
-      h, activations_grad)
+  expected, expected_grad, expected_bias_grad = _gelu_and_gradient_f64(
+      h, bias, activations_grad)
+  forward = jax.jit(cpu_gelu.gelu)(h, bias)
+  activations, h_grad, bias_grad = jax.jit(cpu_gelu.gelu_and_gradient)(
+      h, bias, activations_grad)
   for result, reference in ((forward, expected), (activations, expected),
                             (h_grad, expected_grad)):
     assert result.shape == shape and result.dtype == jnp.float32
     assert np.all(np.isfinite(result))
     np.testing.assert_allclose(result, reference, rtol=2e-6, atol=1e-6)
+  assert bias_grad.shape == bias.shape
+  rows = h.size // shape[-1]
+  np.testing.assert_allclose(bias_grad, expected_bias_grad, rtol=1e-5,
+                             atol=1e-6 * rows)
 
 
 @needs_kernels
 def test_under_a_batch_split_mesh_each_device_takes_its_own_rows():
+  """Each device's rows in its own call, and the bias's gradient their
+  sum (an all-reduce), with no gathering."""
   mesh = sharding.make_mesh()
   count = mesh.devices.size
   rows = NamedSharding(mesh, PartitionSpec(sharding.MESH_AXES))
   h = jax.device_put(_inputs(2, count, 12, 40), rows)
-  activations_grad = jax.device_put(_inputs(3, count, 12, 40), rows)
+  bias = _bias(3, 40)
+  activations_grad = jax.device_put(_inputs(4, count, 12, 40), rows)
   step = jax.jit(cpu_gelu.gelu_and_gradient)
-  program = step.lower(h, activations_grad).compile().as_text()
+  program = step.lower(h, bias, activations_grad).compile().as_text()
   assert "all-gather" not in program and "VitGeluBackward" in program
-  activations, h_grad = step(h, activations_grad)
+  activations, h_grad, bias_grad = step(h, bias, activations_grad)
   assert {s.data.shape for s in h_grad.addressable_shards} == {(1, 12, 40)}
-  expected, expected_grad = _gelu_and_gradient_f64(h, activations_grad)
+  expected, expected_grad, expected_bias_grad = _gelu_and_gradient_f64(
+      h, bias, activations_grad)
   np.testing.assert_allclose(activations, expected, rtol=2e-6, atol=1e-6)
   np.testing.assert_allclose(h_grad, expected_grad, rtol=2e-6, atol=1e-6)
+  np.testing.assert_allclose(bias_grad, expected_bias_grad, rtol=1e-5,
+                             atol=1e-4)
 
 
 @needs_kernels
@@ -88,33 +111,43 @@ def test_gelu_dot_general_takes_the_kernel_for_the_tanh_gelu(
     pytest.skip(f"the oneDNN products cannot run: {cpu_gemm.problem()}")
   normal = np.random.default_rng(4).normal
   x = normal(size=(2, 30, 24)).astype(np.float32) * 3
+  bias = normal(size=24).astype(np.float32)
   weights = normal(size=(24, 16)).astype(np.float32) / 5
   numbers = (((2,), (0,)), ((), ()))
-  dot_general = matmuls.gelu_dot_general(approximate, operand_dtype,
-                                         implementation)
-  loss = jax.jit(jax.grad(lambda x, w: jnp.sum(
-      jnp.sin(dot_general(x, w, numbers))), argnums=(0, 1)))
-  program = loss.lower(x, weights).as_text()
+
+  def product(x, b, w):
+    dot_general = matmuls.gelu_dot_general(b, approximate, operand_dtype,
+                                           implementation)
+    return dot_general(x, w, numbers)
+
+  loss = jax.jit(jax.grad(lambda x, b, w: jnp.sum(jnp.sin(product(x, b, w))),
+                          argnums=(0, 1, 2)))
+  program = loss.lower(x, bias, weights).as_text()
   assert (("VitGelu" in program) and ("VitGeluBackward" in program)) == kernel
-  reference = jax.grad(lambda x, w: jnp.sum(jnp.sin(jnp.einsum(
-      "brk,kn->brn", jax.nn.gelu(x, approximate=approximate), w))),
-                       argnums=(0, 1))
+  reference = jax.grad(lambda x, b, w: jnp.sum(jnp.sin(jnp.einsum(
+      "brk,kn->brn", jax.nn.gelu(x + b, approximate=approximate), w))),
+                       argnums=(0, 1, 2))
   tolerance = 1e-4 if operand_dtype is None else 2e-2  # bfloat16 operands
-  for result, expected in zip(loss(x, weights), reference(x, weights)):
+  for result, expected in zip(loss(x, bias, weights),
+                              reference(x, bias, weights)):
     np.testing.assert_allclose(result, expected, rtol=tolerance,
                                atol=tolerance * np.abs(expected).max())
-  inference = jax.jit(lambda x, w: dot_general(x, w, numbers))
-  assert "VitGelu" not in inference.lower(x, weights).as_text()
-  expected = jnp.einsum("brk,kn->brn", jax.nn.gelu(x, approximate=approximate),
+  inference = jax.jit(product)
+  assert "VitGelu" not in inference.lower(x, bias, weights).as_text()
+  expected = jnp.einsum("brk,kn->brn",
+                        jax.nn.gelu(x + bias, approximate=approximate),
                         weights)
-  np.testing.assert_allclose(inference(x, weights), expected, rtol=tolerance,
+  np.testing.assert_allclose(inference(x, bias, weights), expected,
+                             rtol=tolerance,
                              atol=tolerance * np.abs(expected).max())
 
 
 @needs_kernels
 def test_wrong_operands_are_named():
-  with pytest.raises(ValueError, match=r"float32 arrays of one shape.*"
-                     r"float32\[2, 3\]', 'float32\[2, 4\]"):
-    cpu_gelu.gelu_and_gradient(jnp.ones((2, 3)), jnp.ones((2, 4)))
+  with pytest.raises(ValueError, match=r"h \(G, \.\.\., n\).*bias \(n,\).*"
+                     r"float32\[2, 3\]', 'float32\[3\]', 'float32\[2, 4\]"):
+    cpu_gelu.gelu_and_gradient(jnp.ones((2, 3)), jnp.ones(3), jnp.ones((2, 4)))
+  with pytest.raises(ValueError, match=r"float32\[2, 3\]', 'float32\[4\]"):
+    cpu_gelu.gelu(jnp.ones((2, 3)), jnp.ones(4))  # the bias's length
   with pytest.raises(ValueError, match=r"bfloat16\[2, 3\]"):
-    cpu_gelu.gelu(jnp.ones((2, 3), jnp.bfloat16))
+    cpu_gelu.gelu(jnp.ones((2, 3), jnp.bfloat16), jnp.ones(3))

@@ -64,11 +64,13 @@ def test_wrong_operands_are_named():
 def test_dense_products_match_xlas_values_and_gradients(
     input_shape, kernel_shape, axes):
   x, kernel = _normal(3, *input_shape), _normal(4, *kernel_shape)
+  bias = _normal(5, *kernel_shape[:axes])  # the GELU's input's
   numbers = ((tuple(range(x.ndim - axes, x.ndim)), tuple(range(axes))),
              ((), ()))
   for make in (lambda impl: functools.partial(
                    matmuls.dense_dot_general, implementation=impl),
-               lambda impl: matmuls.gelu_dot_general(implementation=impl)):
+               lambda impl: matmuls.gelu_dot_general(bias,
+                                                     implementation=impl)):
     def loss(x, kernel, impl, make=make):
       y = make(impl)(x, kernel, numbers)
       return (jnp.sin(y) * y).sum(), y

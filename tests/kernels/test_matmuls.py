@@ -164,8 +164,10 @@ def test_bfloat16_operands_give_float32_products_of_the_rounded_operands(
   x = rng.normal(size=(96, 48)).astype(np.float32)
   kernel = rng.normal(size=(48, 80)).astype(np.float32) / 7
   weights = rng.normal(size=(96, 80)).astype(np.float32)  # loss = <w, y>
+  bias = rng.normal(size=48).astype(np.float32)  # the GELU's input's
   dims = (((1,), (0,)), ((), ()))
-  dot = (matmuls.gelu_dot_general(operand_dtype=jnp.bfloat16) if with_gelu
+  dot = (matmuls.gelu_dot_general(bias, operand_dtype=jnp.bfloat16)
+         if with_gelu
          else functools.partial(matmuls.dense_dot_general,
                                 operand_dtype=jnp.bfloat16))
   loss = lambda x, k: jnp.sum(dot(x, k, dims) * weights)
@@ -175,14 +177,14 @@ def test_bfloat16_operands_give_float32_products_of_the_rounded_operands(
 
   gelu = lambda v: np.asarray(nn.gelu(jnp.asarray(v, jnp.float32)),
                               np.float64)
-  act = gelu(x) if with_gelu else x.astype(np.float64)
+  act = gelu(x + bias) if with_gelu else x.astype(np.float64)
   np.testing.assert_allclose(out, _rounded(act) @ _rounded(kernel),
                              rtol=2e-5, atol=2e-5)
   np.testing.assert_allclose(kernel_grad, _rounded(act).T @ _rounded(weights),
                              rtol=2e-5, atol=2e-4)
   act_grad = _rounded(weights) @ _rounded(kernel).T
   if with_gelu:  # the chain rule through the GELU, in float32
-    _, gelu_vjp = jax.vjp(nn.gelu, jnp.asarray(x))
+    _, gelu_vjp = jax.vjp(nn.gelu, jnp.asarray(x + bias))
     act_grad = np.asarray(gelu_vjp(jnp.asarray(act_grad, jnp.float32))[0])
   np.testing.assert_allclose(x_grad, act_grad, rtol=2e-5, atol=2e-4)
   exact = act @ kernel.astype(np.float64)

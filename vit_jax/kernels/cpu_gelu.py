@@ -1,14 +1,20 @@
-"""The MLP's tanh-approximate GELU on XLA:CPU as a C++ kernel.
+"""The MLP's tanh-approximate GELU on XLA:CPU as a C++ kernel, with the
+first product's bias.
 
 Why: with the Dense products in oneDNN (`cpu_gemm`), the GELU between the
 MLP's two products, its recomputation and its gradient in the backward
 pass are XLA loop fusions of their own, with a rational tanh; in a
 ViT-Ti/16 @224 train step on an Intel Xeon they and the MLP's biases took
 ~100 ms, 8.5% of the step (docs/performance.md). The kernel
-(`csrc/gelu_cpu.cc`) computes gelu(h) = h / (1 + exp(-2u)) in register-wide
-vectors, with the CPU's reciprocal estimate where there is one, and, in
-the backward pass, the activations (which the second product's weight
-gradient reads) and the GELU's gradient in one pass over its input.
+(`csrc/gelu_cpu.cc`) computes gelu(h + b) = x / (1 + exp(-2u)) in
+register-wide vectors, with the CPU's reciprocal estimate where there is
+one, and, in the backward pass, the activations (which the second
+product's weight gradient reads), the GELU's gradient and the bias's
+gradient (its column sums) in one pass over its input. The bias is the
+first product's: added and differentiated here, it costs no pass of its
+own over the (rows, mlp_dim) activations (an add in the forward pass and a
+column sum in the backward pass, ~23 ms of a ViT-Ti/16 @224 train step
+as XLA's fusions).
 
 `matmuls.gelu_dot_general` calls it for float32 inputs on a CPU under
 differentiation (training), on (G, rows, mlp_dim) groups of rows (those of
@@ -23,31 +29,41 @@ import jax.numpy as jnp
 from vit_jax.kernels import cpu_build, cpu_gemm
 
 _FORWARD = cpu_build.batch_partitionable(
-    "VitGelu", lambda h: [(h.shape, h.dtype)], 1)
+    "VitGelu", lambda h, bias: [(h.shape, h.dtype)], 1)
 _BACKWARD = cpu_build.batch_partitionable(
-    "VitGeluBackward", lambda h, da: [(h.shape, h.dtype)] * 2, 1)
+    "VitGeluBackward",
+    lambda h, bias, da: [(h.shape, h.dtype)] * 2 + [(bias.shape, bias.dtype)],
+    1)
 
 
-def _check(*arrays: jax.Array) -> None:
-  if any(a.ndim < 2 or a.dtype != jnp.float32 or a.shape != arrays[0].shape
-         for a in arrays):
+def _check(h: jax.Array, bias: jax.Array, *others: jax.Array) -> None:
+  if (any(a.dtype != jnp.float32 for a in (h, bias, *others))
+      or h.ndim < 2 or bias.ndim != 1 or h.shape[-1] != bias.shape[0]
+      or any(a.shape != h.shape for a in others)):
     raise ValueError(
-        "the GELU kernel takes float32 arrays of one shape with a leading "
-        f"group axis, got {[f'{a.dtype}{list(a.shape)}' for a in arrays]}")
+        "the GELU kernel takes float32 h (G, ..., n) with a leading group "
+        "axis, its bias (n,) and arrays of h's shape, got "
+        f"{[f'{a.dtype}{list(a.shape)}' for a in (h, bias, *others)]}")
 
 
-def gelu(h: jax.Array) -> jax.Array:
-  """jax.nn.gelu(h, approximate=True) for h (G, ...), float32; not
-  differentiable itself (`gelu_dot_general` differentiates it)."""
-  _check(h)
-  (activations,) = _FORWARD.bind(h, tasks=cpu_gemm.tasks_per_device())
+def gelu(h: jax.Array, bias: jax.Array) -> jax.Array:
+  """jax.nn.gelu(h + bias, approximate=True) for h (G, ..., n) and bias
+  (n,), float32; not differentiable itself (`gelu_dot_general`
+  differentiates it)."""
+  _check(h, bias)
+  (activations,) = _FORWARD.bind(h, cpu_build.per_group(bias, h.shape[0]),
+                                 tasks=cpu_gemm.tasks_per_device())
   return activations
 
 
-def gelu_and_gradient(h: jax.Array, activations_grad: jax.Array
-                      ) -> tuple[jax.Array, jax.Array]:
-  """(gelu(h), activations_grad * gelu'(h)) for h (G, ...), float32."""
-  _check(h, activations_grad)
-  activations, h_grad = _BACKWARD.bind(h, activations_grad,
-                                       tasks=cpu_gemm.tasks_per_device())
-  return activations, h_grad
+def gelu_and_gradient(h: jax.Array, bias: jax.Array,
+                      activations_grad: jax.Array
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(gelu(h + bias), activations_grad * gelu'(h + bias), bias's gradient
+  (n,)) for h (G, ..., n), float32: the second's sum over all but the last
+  axis."""
+  _check(h, bias, activations_grad)
+  activations, h_grad, bias_grad = _BACKWARD.bind(
+      h, cpu_build.per_group(bias, h.shape[0]), activations_grad,
+      tasks=cpu_gemm.tasks_per_device())
+  return activations, h_grad, jnp.sum(bias_grad, axis=0)

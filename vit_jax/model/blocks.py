@@ -22,13 +22,36 @@ def _split(key: Optional[jax.Array], num: int) -> list[Optional[jax.Array]]:
   return [None] * num if key is None else list(jax.random.split(key, num))
 
 
+class DenseBiasDeferred(nn.Dense):
+  """nn.Dense that returns (x W, b), deferring b's addition to the next op
+  (the GELU kernel adds it in a pass it makes anyway): the same parameters
+  (names, shapes, initialisers) as nn.Dense."""
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    kernel = self.param("kernel", self.kernel_init,
+                        (jnp.shape(inputs)[-1], self.features),
+                        self.param_dtype)
+    bias = self.param("bias", self.bias_init, (self.features,),
+                      self.param_dtype)
+    inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias,
+                                                   dtype=self.dtype)
+    dot_general = self.dot_general or jax.lax.dot_general
+    product = dot_general(inputs, kernel,
+                          (((inputs.ndim - 1,), (0,)), ((), ())),
+                          precision=self.precision)
+    return product, bias
+
+
 class MlpBlock(nn.Module):
   """Dense -> GELU -> dropout -> Dense -> dropout. (..., D) -> (..., D).
 
-  Without dropout between them (rate 0, or at evaluation) the GELU runs
-  inside the second Dense's `matmuls.gelu_dot_general`, which recomputes
-  it in the backward pass instead of storing it: the same values, less
-  memory.
+  Without dropout between them (rate 0, or at evaluation) the first
+  Dense's bias add and the GELU run inside the second Dense's
+  `matmuls.gelu_dot_general`, which recomputes them in the backward pass
+  instead of storing the activations (the same values, less memory) and,
+  in the CPU's GELU kernel, adds the bias and sums its gradient in its own
+  passes.
   """
   mlp_dim: int
   dropout_rate: float = 0.0
@@ -48,16 +71,21 @@ class MlpBlock(nn.Module):
     dense_dot_general = functools.partial(
         matmuls.dense_dot_general, operand_dtype=self.matmul_dtype,
         implementation=products)
-    dense = lambda features, name, dot_general=dense_dot_general: (
-        nn.Dense(features, dtype=self.dtype, param_dtype=self.param_dtype,
-                 kernel_init=nn.initializers.xavier_uniform(),
-                 bias_init=nn.initializers.normal(stddev=1e-6),
-                 dot_general=dot_general, name=name))
-    x = dense(self.mlp_dim, "Dense_0")(x)
+
+    def dense(features, name, dot_general=dense_dot_general, module=nn.Dense):
+      return module(features, dtype=self.dtype, param_dtype=self.param_dtype,
+                    kernel_init=nn.initializers.xavier_uniform(),
+                    bias_init=nn.initializers.normal(stddev=1e-6),
+                    dot_general=dot_general, name=name)
+
     if deterministic or self.dropout_rate == 0.0:
+      x, hidden_bias = dense(self.mlp_dim, "Dense_0",
+                             module=DenseBiasDeferred)(x)
       x = dense(out_dim, "Dense_1", matmuls.gelu_dot_general(
-          self.approximate_gelu, self.matmul_dtype, products))(x)
+          hidden_bias, self.approximate_gelu, self.matmul_dtype,
+          products))(x)
     else:
+      x = dense(self.mlp_dim, "Dense_0")(x)
       x = nn.gelu(x, approximate=self.approximate_gelu)
       x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic,
                                         rng=hidden_key)

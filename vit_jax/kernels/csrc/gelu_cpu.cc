@@ -1,19 +1,26 @@
-// The MLP's tanh-approximate GELU, forward and backward, as XLA FFI
-// handlers; vit_jax/kernels/cpu_gelu.py binds them and says why they exist.
+// The MLP's tanh-approximate GELU of the first product plus its bias,
+// forward and backward, as XLA FFI handlers; vit_jax/kernels/cpu_gelu.py
+// binds them and says why they exist.
 //
-// float32, any shape with a leading axis of G groups (under a batch-split
-// mesh, each device's part), read as G rows of n values:
-//   VitGelu          h -> gelu(h)
-//   VitGeluBackward  h, da -> gelu(h), da * gelu'(h)
-// gelu(h) = h / 2 (1 + tanh(u)), u = sqrt(2 / pi) (h + 0.044715 h^3), as
-// jax.nn.gelu(approximate=True) defines it, computed as h / (1 + exp(-2u)).
+// float32, h of any shape with a leading axis of G groups (under a
+// batch-split mesh, each device's part), read as G groups of rows of n
+// values, n the length of the bias b (G, n) (a copy per group):
+//   VitGelu          h, b -> gelu(h + b)
+//   VitGeluBackward  h, b, da -> gelu(h + b), da * gelu'(h + b), and the
+//                    bias's gradient (G, n): the column sums of the second
+//                    in each group
+// gelu(x) = x / 2 (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), as
+// jax.nn.gelu(approximate=True) defines it, computed as x / (1 + exp(-2u)).
 // The backward pass returns the activations too: the weight gradient of
-// the product that reads them needs them, and the pass has h in registers
-// already. The attribute `tasks` splits each group into that many blocks
-// on XLA's intra-op threads.
+// the product that reads them needs them, and the pass has x in registers
+// already. The bias is added, and its gradient summed, in the same passes:
+// as XLA fusions of their own they were two more passes over the
+// (rows, n) arrays. The attribute `tasks` splits each group's rows into
+// that many blocks on XLA's intra-op threads.
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -86,49 +93,99 @@ inline void StorePart(float* p, Vec v, int64_t count) {
   for (int64_t i = 0; i < count; ++i) p[i] = v[i];
 }
 
+// The h, b and da of a call and its shape: `groups` groups of `rows` rows
+// of n values.
+struct GeluShape {
+  int64_t groups, rows, n;
+};
+
+ffi::Error CheckShape(const ffi::Buffer<ffi::F32>& h,
+                      const ffi::Buffer<ffi::F32>& bias, int64_t elements,
+                      GeluShape* shape) {
+  auto hd = h.dimensions(), bd = bias.dimensions();
+  if (hd.size() < 2 || bd.size() != 2 || bd[0] != hd[0] || bd[1] == 0 ||
+      elements != h.element_count() ||
+      (hd[0] && h.element_count() / hd[0] % bd[1] != 0))
+    return ffi::Error::InvalidArgument(
+        "the GELU kernel takes h (G, ..., n), its bias (G, n) and (backward) "
+        "da of h's shape");
+  const int64_t groups = hd[0], n = bd[1];
+  *shape = GeluShape{groups, groups ? h.element_count() / groups / n : 0, n};
+  return ffi::Error::Success();
+}
+
 ffi::Error GeluForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
+                       ffi::Buffer<ffi::F32> bias,
                        ffi::ResultBuffer<ffi::F32> a, int64_t tasks) {
-  if (h.dimensions().size() == 0)
-    return ffi::Error::InvalidArgument("VitGelu takes h with a group axis");
-  const int64_t groups = h.dimensions()[0];
-  const int64_t n = groups ? h.element_count() / groups : 0;
-  const float* hp = h.typed_data();
+  GeluShape s;
+  if (ffi::Error error = CheckShape(h, bias, h.element_count(), &s);
+      error.failure())
+    return error;
+  const float *hp = h.typed_data(), *bp = bias.typed_data();
   float* ap = a->typed_data();
-  ForEachBlock(pool, groups, Blocks(n, tasks, kLanes),
+  ForEachBlock(pool, s.groups, Blocks(s.rows, tasks, 1),
                [=](int64_t g, int64_t start, int64_t length) {
-                 const int64_t end = g * n + start + length;
-                 for (int64_t i = g * n + start; i < end; i += kLanes) {
-                   const int64_t count = std::min<int64_t>(kLanes, end - i);
-                   StorePart(ap + i, Gelu(LoadPart(hp + i, count)), count);
+                 const float* b = bp + g * s.n;
+                 for (int64_t r = start; r < start + length; ++r) {
+                   const int64_t row = (g * s.rows + r) * s.n;
+                   for (int64_t c = 0; c < s.n; c += kLanes) {
+                     const int64_t count = std::min<int64_t>(kLanes, s.n - c);
+                     StorePart(ap + row + c,
+                               Gelu(LoadPart(hp + row + c, count) +
+                                    LoadPart(b + c, count)),
+                               count);
+                   }
                  }
                });
   return ffi::Error::Success();
 }
 
 ffi::Error GeluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
-                        ffi::Buffer<ffi::F32> da,
+                        ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> da,
                         ffi::ResultBuffer<ffi::F32> a,
-                        ffi::ResultBuffer<ffi::F32> dh, int64_t tasks) {
-  if (h.dimensions().size() == 0 || da.element_count() != h.element_count())
-    return ffi::Error::InvalidArgument(
-        "VitGeluBackward takes h and da of one shape, with a group axis");
-  const int64_t groups = h.dimensions()[0];
-  const int64_t n = groups ? h.element_count() / groups : 0;
-  const float *hp = h.typed_data(), *dap = da.typed_data();
+                        ffi::ResultBuffer<ffi::F32> dh,
+                        ffi::ResultBuffer<ffi::F32> dbias, int64_t tasks) {
+  GeluShape s;
+  if (ffi::Error error = CheckShape(h, bias, da.element_count(), &s);
+      error.failure())
+    return error;
+  const float *hp = h.typed_data(), *bp = bias.typed_data(),
+              *dap = da.typed_data();
   float *ap = a->typed_data(), *dhp = dh->typed_data();
-  ForEachBlock(pool, groups, Blocks(n, tasks, kLanes),
+  const Blocks blocks(s.rows, tasks, 1);
+  // Each block's column sums, added up per group once all have run.
+  std::vector<float> sums(s.groups * blocks.count() * s.n, 0.0f);
+  float* sums_p = sums.data();
+  ForEachBlock(pool, s.groups, blocks,
                [=](int64_t g, int64_t start, int64_t length) {
-                 const int64_t end = g * n + start + length;
-                 for (int64_t i = g * n + start; i < end; i += kLanes) {
-                   const int64_t count = std::min<int64_t>(kLanes, end - i);
-                   Vec activations, gradient;
-                   GeluAndGradient(LoadPart(hp + i, count),
-                                   LoadPart(dap + i, count), &activations,
-                                   &gradient);
-                   StorePart(ap + i, activations, count);
-                   StorePart(dhp + i, gradient, count);
+                 const float* b = bp + g * s.n;
+                 const int64_t block = start / blocks.step;
+                 float* sum = sums_p + (g * blocks.count() + block) * s.n;
+                 for (int64_t r = start; r < start + length; ++r) {
+                   const int64_t row = (g * s.rows + r) * s.n;
+                   for (int64_t c = 0; c < s.n; c += kLanes) {
+                     const int64_t count = std::min<int64_t>(kLanes, s.n - c);
+                     Vec activations, gradient;
+                     GeluAndGradient(LoadPart(hp + row + c, count) +
+                                         LoadPart(b + c, count),
+                                     LoadPart(dap + row + c, count),
+                                     &activations, &gradient);
+                     StorePart(ap + row + c, activations, count);
+                     StorePart(dhp + row + c, gradient, count);
+                     StorePart(sum + c, LoadPart(sum + c, count) + gradient,
+                               count);
+                   }
                  }
                });
+  float* dbp = dbias->typed_data();
+  for (int64_t g = 0; g < s.groups; ++g) {
+    float* out = dbp + g * s.n;
+    std::fill(out, out + s.n, 0.0f);
+    for (int64_t block = 0; block < blocks.count(); ++block) {
+      const float* sum = sums_p + (g * blocks.count() + block) * s.n;
+      for (int64_t c = 0; c < s.n; ++c) out[c] += sum[c];
+    }
+  }
   return ffi::Error::Success();
 }
 
@@ -138,6 +195,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VitGelu, GeluForward,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // h
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b
                                   .Ret<ffi::Buffer<ffi::F32>>()  // a
                                   .Attr<int64_t>("tasks"));
 
@@ -145,7 +203,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VitGeluBackward, GeluBackward,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // h
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b
                                   .Arg<ffi::Buffer<ffi::F32>>()  // da
                                   .Ret<ffi::Buffer<ffi::F32>>()  // a
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dh
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // db
                                   .Attr<int64_t>("tasks"));
