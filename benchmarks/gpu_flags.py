@@ -102,13 +102,15 @@ def _jax_dense_dot_general(inputs, kernel, dimension_numbers, precision=None,
                              preferred_element_type=preferred_element_type)
 
 
-def _jax_gelu_dot_general(approximate=True, operand_dtype=None,
+def _jax_gelu_dot_general(input_bias, approximate=True, operand_dtype=None,
                           implementation="xla"):
   """`matmuls.gelu_dot_general` without its backward pass."""
   def dot_general(inputs, kernel, *args, **kwargs):
-    return _jax_dense_dot_general(nn.gelu(inputs, approximate=approximate),
-                                  kernel, *args, operand_dtype=operand_dtype,
-                                  implementation=implementation, **kwargs)
+    return _jax_dense_dot_general(
+        nn.gelu(inputs + input_bias.astype(inputs.dtype),
+                approximate=approximate),
+        kernel, *args, operand_dtype=operand_dtype,
+        implementation=implementation, **kwargs)
   return dot_general
 
 
