@@ -15,7 +15,11 @@ forward (batch 256 / 64). vit_jax runs as configs/vit_tiny_cifar.py runs it
 on a CPU (config.cpu_devices=-1): a device per core, each taking part of the
 batch; PyTorch uses the same cores as intra-op threads.
 Every measurement runs in a fresh process
-(`--worker`), so compile caches, allocator state and threads start alike.
+(`--worker`), so compile caches, allocator state and threads start alike,
+and takes the median of --steps (5) steps after a warm-up step (2 until
+2026-11-29: the median of two is their mean, so one slow step moved a
+worker's figure; vit_jax's first-round inference workers read up to a
+third below their second rounds then).
 Round 1 runs every implementation; round 2 runs vit_jax and the fastest
 PyTorch variant of each workload again, in the other order, and those two are
 compared by the mean of their two rounds (the machine's noise is +-10%).
@@ -472,7 +476,8 @@ def main():
   parser.add_argument("--impl", default="vit_jax")
   parser.add_argument("--model", default="vit_tiny_cifar")
   parser.add_argument("--mode", default="train")
-  parser.add_argument("--steps", type=int, default=2)
+  parser.add_argument("--steps", type=int, default=5,
+                      help="timed steps per worker (their median counts)")
   parser.add_argument("--image_size", type=int)
   parser.add_argument("--patch_size", type=int)
   parser.add_argument("--batch", type=int)
@@ -524,7 +529,7 @@ def main():
   def worker_args(impl: str, model: str, mode: str) -> list[str]:
     cpu_devices = [f"--cpu_devices={args.cpu_devices}"] * (impl == "vit_jax")
     return [f"--impl={impl}", f"--model={model}", f"--mode={mode}",
-            *cpu_devices]
+            f"--steps={args.steps}", *cpu_devices]
 
   workloads = [(m, mode) for m in MODELS for mode in ("train", "infer")]
   results = {}  # (model, mode, impl) -> list of results
@@ -567,6 +572,7 @@ def main():
   print(f"\nCommand: python benchmarks/throughput.py"
         f"{'' if args.fast_malloc else ' --no-fast_malloc'}"
         f"{devices_flag}"
+        f"{'' if args.steps == 5 else f' --steps={args.steps}'}"
         f"{' --max_isa=avx2' if args.max_isa == 'avx2' else ''}"
         f"{' --matmul_dtype=bfloat16' if args.matmul_dtype == 'bfloat16' else ''}"
         f"{' --growth' if args.growth else ''}")
