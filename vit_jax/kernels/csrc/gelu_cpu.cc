@@ -114,6 +114,18 @@ ffi::Error CheckShape(const ffi::Buffer<ffi::F32>& h,
   return ffi::Error::Success();
 }
 
+// Runs vector(index, column, count) over the vectors of rows [start, start
+// + length) of group g: index the first value's in h, column its column,
+// count (at most kLanes) its values.
+template <typename VectorWork>
+inline void ForEachVector(const GeluShape& s, int64_t g, int64_t start,
+                          int64_t length, VectorWork vector) {
+  for (int64_t r = start; r < start + length; ++r)
+    for (int64_t c = 0; c < s.n; c += kLanes)
+      vector((g * s.rows + r) * s.n + c, c,
+             std::min<int64_t>(kLanes, s.n - c));
+}
+
 ffi::Error GeluForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
                        ffi::Buffer<ffi::F32> bias,
                        ffi::ResultBuffer<ffi::F32> a, int64_t tasks) {
@@ -126,16 +138,13 @@ ffi::Error GeluForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
   ForEachBlock(pool, s.groups, Blocks(s.rows, tasks, 1),
                [=](int64_t g, int64_t start, int64_t length) {
                  const float* b = bp + g * s.n;
-                 for (int64_t r = start; r < start + length; ++r) {
-                   const int64_t row = (g * s.rows + r) * s.n;
-                   for (int64_t c = 0; c < s.n; c += kLanes) {
-                     const int64_t count = std::min<int64_t>(kLanes, s.n - c);
-                     StorePart(ap + row + c,
-                               Gelu(LoadPart(hp + row + c, count) +
-                                    LoadPart(b + c, count)),
-                               count);
-                   }
-                 }
+                 ForEachVector(s, g, start, length,
+                               [=](int64_t i, int64_t c, int64_t count) {
+                   StorePart(ap + i,
+                             Gelu(LoadPart(hp + i, count) +
+                                  LoadPart(b + c, count)),
+                             count);
+                 });
                });
   return ffi::Error::Success();
 }
@@ -161,21 +170,17 @@ ffi::Error GeluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
                  const float* b = bp + g * s.n;
                  const int64_t block = start / blocks.step;
                  float* sum = sums_p + (g * blocks.count() + block) * s.n;
-                 for (int64_t r = start; r < start + length; ++r) {
-                   const int64_t row = (g * s.rows + r) * s.n;
-                   for (int64_t c = 0; c < s.n; c += kLanes) {
-                     const int64_t count = std::min<int64_t>(kLanes, s.n - c);
-                     Vec activations, gradient;
-                     GeluAndGradient(LoadPart(hp + row + c, count) +
-                                         LoadPart(b + c, count),
-                                     LoadPart(dap + row + c, count),
-                                     &activations, &gradient);
-                     StorePart(ap + row + c, activations, count);
-                     StorePart(dhp + row + c, gradient, count);
-                     StorePart(sum + c, LoadPart(sum + c, count) + gradient,
-                               count);
-                   }
-                 }
+                 ForEachVector(s, g, start, length,
+                               [=](int64_t i, int64_t c, int64_t count) {
+                   Vec activations, gradient;
+                   GeluAndGradient(
+                       LoadPart(hp + i, count) + LoadPart(b + c, count),
+                       LoadPart(dap + i, count), &activations, &gradient);
+                   StorePart(ap + i, activations, count);
+                   StorePart(dhp + i, gradient, count);
+                   StorePart(sum + c, LoadPart(sum + c, count) + gradient,
+                             count);
+                 });
                });
   float* dbp = dbias->typed_data();
   for (int64_t g = 0; g < s.groups; ++g) {
