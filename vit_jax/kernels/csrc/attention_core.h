@@ -125,7 +125,8 @@ inline void SoftmaxRows(int64_t width, int64_t padded, float scale, float* x) {
       Store(x + r * padded + j, e);
       vsum[r] += e;
     }
-  for (int r = 0; r < ROWS; ++r) inverse[r] = Splat(1.0f / SumOfLanes(vsum[r]));
+  for (int r = 0; r < ROWS; ++r)
+    inverse[r] = Splat(1.0f / SumOfLanes(vsum[r]));
   for (int64_t j = 0; j < padded; j += kLanes)
     for (int r = 0; r < ROWS; ++r)
       Store(x + r * padded + j, Load(x + r * padded + j) * inverse[r]);
@@ -140,7 +141,8 @@ inline void SoftmaxRows(int64_t width, int64_t padded, float scale, float* x) {
 void Softmax(int64_t rows, int64_t width, int64_t padded, float scale,
              float* x) {
   int64_t i = 0;
-  for (; i + 2 <= rows; i += 2) SoftmaxRows<2>(width, padded, scale, x + i * padded);
+  for (; i + 2 <= rows; i += 2)
+    SoftmaxRows<2>(width, padded, scale, x + i * padded);
   if (i < rows) SoftmaxRows<1>(width, padded, scale, x + i * padded);
 }
 

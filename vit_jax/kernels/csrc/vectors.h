@@ -1,7 +1,7 @@
 // Float vectors one hardware register wide, their exp and the sum and
 // maximum of their lanes: what the kernels' elementwise and product loops
-// share. Internal to the kernels'
-// sources (its definitions are in an unnamed namespace).
+// share. Internal to the kernels' sources (its definitions are in an
+// unnamed namespace).
 
 #ifndef VIT_JAX_KERNELS_CSRC_VECTORS_H_
 #define VIT_JAX_KERNELS_CSRC_VECTORS_H_
@@ -82,6 +82,7 @@ inline float SumOfLanes(Vec v) {
 #elif defined(__aarch64__)
   return vaddvq_f32((float32x4_t)v);
 #else
+  static_assert(kLanes == 4, "SSE's vectors are 4 floats");
   return (v[0] + v[2]) + (v[1] + v[3]);
 #endif
 }
