@@ -387,13 +387,13 @@ def test_the_avx2_and_sse_builds_match_the_reference_too(tmp_path, march):
   """The kernels built for AVX2 (8-float vectors) or SSE (4-float vectors),
   as on CPUs without AVX-512 (VIT_JAX_KERNEL_MARCH, which throughput.py
   --max_isa=avx2 sets), pass this file's value and gradient tests and the
-  LayerNorm and GELU kernels' (run in a fresh process: a process loads one
-  build), from a library of their own."""
+  LayerNorm, GELU and AdamW kernels' (run in a fresh process: a process
+  loads one build), from a library of their own."""
   result = run_python(
       "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
       "tests/kernels/test_cpu_attention.py",
       "tests/kernels/test_cpu_layer_norm.py", "tests/kernels/test_cpu_gelu.py",
-      "-k",
+      "tests/kernels/test_cpu_adamw.py", "-k",
       "float64_reference or extreme_logits or batch_split or vmap",
       env={cpu_build.MARCH_VARIABLE: march,
            "VIT_JAX_CACHE_DIR": str(tmp_path)})

@@ -230,7 +230,8 @@ def _gradient_like_tree():
     (False, False, False), (True, False, False), (False, True, False),
     (True, True, False), (True, True, True)])
 def test_adamw_matches_optax_bit_for_bit(schedule, mask, grouped):
-  """optim.adamw (one jitted update per parameter) against optax.adamw:
+  """optim.adamw's XLA path (one jitted update per parameter; the CPU
+  kernel's: tests/kernels/test_cpu_adamw.py) against optax.adamw:
   equal updates, params and state after several steps, and the same state
   structure, so checkpoints restore with either; grouped: inside
   optax.multi_transform with a frozen group (config.trainable="head")."""
@@ -245,7 +246,7 @@ def test_adamw_matches_optax_bit_for_bit(schedule, mask, grouped):
   kwargs = dict(b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1,
                 mask=optim.weight_decay_mask if mask else None)
   reference = optax.adamw(learning_rate, **kwargs)
-  ours = optim.adamw(learning_rate, **kwargs)
+  ours = optim.adamw(learning_rate, **kwargs, implementation="xla")
   if grouped:
     labels = lambda tree: {name: jax.tree.map(
         lambda _: "freeze" if name == "other" else "train", branch)

@@ -125,6 +125,10 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   # "adamw", "lamb" or "sgd" (with momentum: the paper's fine-tuning
   # recipe).
   config.optimizer = "adamw"
+  # How AdamW updates the parameters: "auto" (a C++ kernel for float32
+  # parameters on a CPU, whole on each device; XLA's per-parameter fusions
+  # elsewhere), "cpu_kernel" or "xla" (kernels/cpu_adamw.py says why).
+  config.optimizer_implementation = "auto"
   config.batch_size = 128  # examples per update, over all devices
   # Split each batch into accum_steps micro-batches whose gradients are
   # averaged: the same update as the whole batch, in 1/accum_steps memory.

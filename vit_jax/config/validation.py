@@ -14,7 +14,7 @@ import ml_collections
 from vit_jax.checkpoints import pretrained
 from vit_jax.config import derived
 from vit_jax.data import augment, file_sources, image_folder, tfds_source
-from vit_jax.kernels import cpu_layer_norm, matmuls
+from vit_jax.kernels import cpu_adamw, cpu_layer_norm, matmuls
 from vit_jax.model import vit
 from vit_jax.runtime import sharding
 from vit_jax.training import optim
@@ -30,6 +30,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the key and the fix for an impossible config."""
   _check_ranges(config)
   _check_choice(config, "optimizer", optim.OPTIMIZERS)
+  _check_choice(config, "optimizer_implementation",
+                cpu_adamw.IMPLEMENTATIONS)
   _check_choice(config, "trainable", optim.TRAINABLE)
   _check_choice(config, "normalization", augment.NORMALIZATIONS)
   _check_choice(config, "posemb_resize", pretrained.RESIZE_METHODS)

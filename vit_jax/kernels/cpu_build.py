@@ -3,8 +3,8 @@
 The kernels (`csrc/*.cc`: the attention core in float32 and with bfloat16
 operands, `cpu_attention.py`; the bfloat16 transpose, `cpu_transpose.py`;
 the Dense layers' products through oneDNN, `cpu_gemm.py`; LayerNorm,
-`cpu_layer_norm.py`; the MLP's GELU, `cpu_gelu.py`; the headers they
-share) are XLA FFI handlers in one shared
+`cpu_layer_norm.py`; the MLP's GELU, `cpu_gelu.py`; AdamW's update,
+`cpu_adamw.py`; the headers they share) are XLA FFI handlers in one shared
 library, compiled from source with the system's C++ compiler (`$CXX`, else
 `c++`) the first time one is needed on a machine, for that machine's CPU
 (-march=native on x86, -mcpu=native on Arm), and cached under
@@ -37,7 +37,7 @@ from jax.interpreters import batching, mlir
 _CSRC = pathlib.Path(__file__).parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in (
     "attention_cpu.cc", "attention_bf16_cpu.cc", "transpose_cpu.cc",
-    "gemm_cpu.cc", "layer_norm_cpu.cc", "gelu_cpu.cc"))
+    "gemm_cpu.cc", "layer_norm_cpu.cc", "gelu_cpu.cc", "adamw_cpu.cc"))
 HEADERS = tuple(_CSRC / name for name in (
     "attention_core.h", "attention_handlers.h", "amx_tiles.h",
     "parallel_tasks.h", "vectors.h"))
@@ -55,6 +55,8 @@ TARGETS = (*(f"VitAttention{family}{handler}{suffix}"
            "VitTransposeToBfloat16", "VitGemm", "VitGemmTransposedRight",
            "VitGemmOverRows", "VitLayerNormForward", "VitLayerNormBackward",
            "VitGelu", "VitGeluBackward")
+# Kernels on whole (replicated) operands, not split over a batch axis.
+REPLICATED_TARGETS = ("VitAdamW",)
 
 
 def cache_dir() -> pathlib.Path:
@@ -154,10 +156,11 @@ def library() -> ctypes.CDLL:
   per process. Raises RuntimeError, OSError or AttributeError if it cannot
   be: `load` says so without raising."""
   loaded = ctypes.cdll.LoadLibrary(str(build()))
-  for target in TARGETS:
+  for target in TARGETS + REPLICATED_TARGETS:
     jax.ffi.register_ffi_target(
         target, jax.ffi.pycapsule(getattr(loaded, target)), platform="cpu")
-    jax.ffi.register_ffi_target_as_batch_partitionable(target)
+    if target in TARGETS:
+      jax.ffi.register_ffi_target_as_batch_partitionable(target)
   return loaded
 
 

@@ -77,22 +77,6 @@ inline void GeluAndGradient(Vec h, Vec da, Vec* a, Vec* dh) {
                       (1.0f + 3.0f * kCubic * h2));
 }
 
-// The first `count` floats at p (at most kLanes), the rest zeros.
-inline Vec LoadPart(const float* p, int64_t count) {
-  if (count == kLanes) return Load(p);
-  Vec v = {};
-  for (int64_t i = 0; i < count; ++i) v[i] = p[i];
-  return v;
-}
-
-inline void StorePart(float* p, Vec v, int64_t count) {
-  if (count == kLanes) {
-    Store(p, v);
-    return;
-  }
-  for (int64_t i = 0; i < count; ++i) p[i] = v[i];
-}
-
 // The h, b and da of a call and its shape: `groups` groups of `rows` rows
 // of n values.
 struct GeluShape {

@@ -31,11 +31,42 @@ typedef int32_t IVec __attribute__((vector_size(kLanes * 4), aligned(4)));
 
 inline Vec Load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
 inline void Store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
+
+// The first `count` floats at p (at most kLanes), the rest zeros.
+inline Vec LoadPart(const float* p, int64_t count) {
+  if (count == kLanes) return Load(p);
+  Vec v = {};
+  for (int64_t i = 0; i < count; ++i) v[i] = p[i];
+  return v;
+}
+
+inline void StorePart(float* p, Vec v, int64_t count) {
+  if (count == kLanes) {
+    Store(p, v);
+    return;
+  }
+  for (int64_t i = 0; i < count; ++i) p[i] = v[i];
+}
+
 // x - 0 is x for every float (-0 included), so the compiler drops the
 // subtraction and broadcasts straight from memory; Vec{} + x would be an add
 // (0 + -0 is +0) and a register shuffle per splat: a third of the AVX2
 // tile's instructions, 16-24% of its products' time.
 inline Vec Splat(float x) { return x - Vec{}; }
+
+// The square root of each lane, correctly rounded as std::sqrt's.
+inline Vec Sqrt(Vec v) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_sqrt_ps((__m512)v);
+#elif defined(__AVX2__)
+  return (Vec)_mm256_sqrt_ps((__m256)v);
+#elif defined(__aarch64__)
+  return (Vec)vsqrtq_f32((float32x4_t)v);
+#else
+  for (int i = 0; i < kLanes; ++i) v[i] = __builtin_sqrtf(v[i]);
+  return v;
+#endif
+}
 
 // exp(x) to within two ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by a
 // degree-5 polynomial fitted to minimise the relative error there (7.5e-8,
