@@ -39,21 +39,15 @@ def resolve_implementation(requested: str, leaves: Sequence[Any],
   `device` (default: JAX's first). "auto" takes the kernel for float32
   leaves on a CPU where the kernels build, XLA's fusions elsewhere;
   "cpu_kernel" raises where it cannot run."""
-  if requested not in IMPLEMENTATIONS:
-    raise ValueError(f"Unknown optimizer_implementation {requested!r}; "
-                     f"choose one of {IMPLEMENTATIONS}.")
-  if requested == "xla":
-    return requested
-  dtypes = sorted({jnp.dtype(leaf.dtype).name for leaf in leaves})
-  problem = (f"it updates float32 parameters, and these are {dtypes}"
-             if dtypes not in ([], ["float32"]) else cpu_build.problem(device))
-  if problem is None:
-    return "cpu_kernel"
-  if requested == "cpu_kernel":
-    raise ValueError(f"optimizer_implementation='cpu_kernel' cannot run "
-                     f"here: {problem}. Use 'auto', which takes the kernel "
-                     "where it can run and XLA's fusions elsewhere.")
-  return "xla"
+  def problem():
+    dtypes = sorted({jnp.dtype(leaf.dtype).name for leaf in leaves})
+    if dtypes not in ([], ["float32"]):
+      return f"it updates float32 parameters, and these are {dtypes}"
+    return cpu_build.problem(device)
+
+  return cpu_build.choose_implementation(
+      "optimizer_implementation", requested, "cpu_kernel", problem,
+      "the kernel", "XLA's fusions")
 
 
 def update(grads: Sequence[jax.Array], mus: Sequence[jax.Array],

@@ -186,6 +186,30 @@ def problem(device: Any = None) -> Optional[str]:
   return load()
 
 
+def choose_implementation(setting: str, requested: str, kernel: str,
+                          problem: Callable[[], Optional[str]],
+                          kernel_name: str, elsewhere: str) -> str:
+  """What `requested` ("auto", `kernel` or "xla", the values of the
+  setting named `setting`) resolves to: "xla" as asked; `kernel` where
+  problem() (why the kernel cannot run, or None) is None; for "auto" "xla"
+  otherwise, and for `kernel` a ValueError naming the problem and the fix.
+  kernel_name and elsewhere name the two paths in that message."""
+  choices = ("auto", kernel, "xla")
+  if requested not in choices:
+    raise ValueError(f"Unknown {setting} {requested!r}; choose one of "
+                     f"{choices}.")
+  if requested == "xla":
+    return requested
+  reason = problem()
+  if reason is None:
+    return kernel
+  if requested == kernel:
+    raise ValueError(f"{setting}={kernel!r} cannot run here: {reason}. Use "
+                     f"'auto', which takes {kernel_name} where it can run "
+                     f"and {elsewhere} elsewhere.")
+  return "xla"
+
+
 def batch_partitionable(target: str, results: Callable, num_batch_dims: int
                         ) -> core.Primitive:
   """A primitive calling `target`; results(*operand avals) gives its

@@ -36,21 +36,15 @@ def resolve_implementation(requested: str, dtype: Any, device: Any = None
   (default: JAX's first). "auto" takes the kernel for float32 on a CPU
   where the kernels build, Flax's LayerNorm (XLA's fusions) elsewhere;
   "cpu_kernel" raises where it cannot run."""
-  if requested not in IMPLEMENTATIONS:
-    raise ValueError(f"Unknown layer_norm_implementation {requested!r}; "
-                     f"choose one of {IMPLEMENTATIONS}.")
-  if requested == "xla":
-    return requested
-  problem = (f"it computes in float32, and this model in "
-             f"{jnp.dtype(dtype).name}" if jnp.dtype(dtype) != jnp.float32
-             else cpu_build.problem(device))
-  if problem is None:
-    return "cpu_kernel"
-  if requested == "cpu_kernel":
-    raise ValueError(f"layer_norm_implementation='cpu_kernel' cannot run "
-                     f"here: {problem}. Use 'auto', which takes the kernel "
-                     "where it can run and Flax's LayerNorm elsewhere.")
-  return "xla"
+  def problem():
+    if jnp.dtype(dtype) != jnp.float32:
+      return (f"it computes in float32, and this model in "
+              f"{jnp.dtype(dtype).name}")
+    return cpu_build.problem(device)
+
+  return cpu_build.choose_implementation(
+      "layer_norm_implementation", requested, "cpu_kernel", problem,
+      "the kernel", "Flax's LayerNorm")
 
 
 _FORWARD = cpu_build.batch_partitionable(

@@ -55,19 +55,10 @@ def resolve_implementation(requested: str, dtype: Any,
   (default: JAX's first). "auto" takes oneDNN's sgemm (`cpu_gemm`) for
   float32 products on a CPU where it loads, XLA's dots elsewhere;
   "onednn" raises where it cannot run."""
-  if requested not in IMPLEMENTATIONS:
-    raise ValueError(f"Unknown matmul_implementation {requested!r}; choose "
-                     f"one of {IMPLEMENTATIONS}.")
-  if requested == "xla":
-    return requested
-  problem = _onednn_problem(dtype, operand_dtype, device)
-  if problem is None:
-    return "onednn"
-  if requested == "onednn":
-    raise ValueError(f"matmul_implementation='onednn' cannot run here: "
-                     f"{problem}. Use 'auto', which takes oneDNN where it "
-                     "can run and XLA's products elsewhere.")
-  return "xla"
+  return cpu_build.choose_implementation(
+      "matmul_implementation", requested, "onednn",
+      lambda: _onednn_problem(dtype, operand_dtype, device), "oneDNN",
+      "XLA's products")
 
 
 def _onednn_problem(dtype: Any, operand_dtype: Any, device: Any
