@@ -192,7 +192,7 @@ def test_clipping_into_adamw_is_optaxs_chain(implementation, grad_size):
 
 
 @needs_kernels
-def test_in_a_batch_split_train_step_the_kernel_adds_no_communication():
+def test_in_a_train_step_on_a_mesh_the_kernel_adds_no_communication():
   """The train step on a batch-split mesh (8 devices): with the kernel, the
   same loss and params as with XLA's updates after three steps, and no more
   collectives in the compiled program (every device updates its whole
