@@ -72,7 +72,7 @@ ffi::Error AdamW(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
     return ffi::Error::InvalidArgument(
         "VitAdamW takes scalars (4,), then L gradients, first moments, "
         "second moments and parameters, and returns L updates, first and "
-        "second moments, for the L leaves `decayed` flags");
+        "second moments, for the L leaves that `decayed` has flags for");
   const float* s = scalars.typed_data();
   const AdamWConstants constants{one_minus_b1, b1, one_minus_b2, b2, eps,
                                  weight_decay, Splat(s[0]), Splat(s[1]),
