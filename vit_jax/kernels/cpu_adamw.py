@@ -47,7 +47,7 @@ def resolve_implementation(requested: str, leaves: Sequence[Any],
     return cpu_build.problem(device)
 
   return cpu_build.choose_implementation(
-      "optimizer_implementation", requested, "cpu_kernel", problem,
+      "optimizer_implementation", requested, IMPLEMENTATIONS, problem,
       "the kernel", "XLA's fusions")
 
 

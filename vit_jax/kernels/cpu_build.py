@@ -186,15 +186,17 @@ def problem(device: Any = None) -> Optional[str]:
   return load()
 
 
-def choose_implementation(setting: str, requested: str, kernel: str,
+def choose_implementation(setting: str, requested: str,
+                          choices: tuple[str, str, str],
                           problem: Callable[[], Optional[str]],
                           kernel_name: str, elsewhere: str) -> str:
-  """What `requested` ("auto", `kernel` or "xla", the values of the
-  setting named `setting`) resolves to: "xla" as asked; `kernel` where
-  problem() (why the kernel cannot run, or None) is None; for "auto" "xla"
-  otherwise, and for `kernel` a ValueError naming the problem and the fix.
-  kernel_name and elsewhere name the two paths in that message."""
-  choices = ("auto", kernel, "xla")
+  """What `requested`, one of `choices` ("auto", the kernel's name, "xla":
+  the values of the setting named `setting`), resolves to: "xla" as asked;
+  the kernel where problem() (why it cannot run, or None) is None; for
+  "auto" "xla" otherwise, and for the kernel a ValueError naming the
+  problem and the fix. kernel_name and elsewhere name the two paths in
+  that message."""
+  (kernel,) = set(choices) - {"auto", "xla"}
   if requested not in choices:
     raise ValueError(f"Unknown {setting} {requested!r}; choose one of "
                      f"{choices}.")

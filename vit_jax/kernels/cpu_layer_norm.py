@@ -43,7 +43,7 @@ def resolve_implementation(requested: str, dtype: Any, device: Any = None
     return cpu_build.problem(device)
 
   return cpu_build.choose_implementation(
-      "layer_norm_implementation", requested, "cpu_kernel", problem,
+      "layer_norm_implementation", requested, IMPLEMENTATIONS, problem,
       "the kernel", "Flax's LayerNorm")
 
 

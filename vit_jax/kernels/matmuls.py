@@ -56,7 +56,7 @@ def resolve_implementation(requested: str, dtype: Any,
   float32 products on a CPU where it loads, XLA's dots elsewhere;
   "onednn" raises where it cannot run."""
   return cpu_build.choose_implementation(
-      "matmul_implementation", requested, "onednn",
+      "matmul_implementation", requested, IMPLEMENTATIONS,
       lambda: _onednn_problem(dtype, operand_dtype, device), "oneDNN",
       "XLA's products")
 
