@@ -11,7 +11,8 @@ use): at level 1 the small programs compile ~25% faster so (a tiny ViT's
 init 2.4 -> 1.7 s, its gradient 2.2 -> 1.6 s; the model and attention tests
 247 -> 187 s on 2026-12-01's AVX2-only AMD EPYC), where at level 3 a
 ViT-Ti/16 train step took 8.4 s against 4.9 and stepped 1.4% slower, so
-users keep XLA's default. Subprocesses that set XLA_FLAGS themselves
+users keep XLA's default. (jaxlib 0.10 only: 0.12 has only the fusion
+emitters.) Subprocesses that set XLA_FLAGS themselves
 compile as users do.
 
 XLA reads the flag when JAX initialises its backend, so it is set before any
@@ -22,8 +23,7 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=1"
-                           " --xla_cpu_use_fusion_emitters=false")
+                           " --xla_backend_optimization_level=1")
 # Each trainer run jits its steps afresh, and most tests train the same
 # small model: JAX's persistent cache (keyed by the program, the JAX version
 # and the flags) compiles each program once for this process, its xdist
@@ -39,6 +39,10 @@ from vit_jax.runtime import host  # noqa: E402
 
 # The XLA:CPU flags main.py applies, so tests run the programs users run.
 host.default_xla_flags()
+# jaxlib 0.12 has only the fusion emitters (an unknown flag aborts the
+# process); 0.11's were not measured.
+if host.jaxlib_release() == "0.10":
+  os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 
