@@ -11,9 +11,8 @@ use): at level 1 the small programs compile ~25% faster so (a tiny ViT's
 init 2.4 -> 1.7 s, its gradient 2.2 -> 1.6 s; the model and attention tests
 247 -> 187 s on 2026-12-01's AVX2-only AMD EPYC), where at level 3 a
 ViT-Ti/16 train step took 8.4 s against 4.9 and stepped 1.4% slower, so
-users keep XLA's default. (jaxlib 0.10 only: 0.12 has only the fusion
-emitters.) Subprocesses that set XLA_FLAGS themselves
-compile as users do.
+users keep XLA's default (and jaxlib 0.12 has only the fusion emitters).
+Subprocesses that set XLA_FLAGS themselves compile as users do.
 
 XLA reads the flag when JAX initialises its backend, so it is set before any
 test module imports jax.
