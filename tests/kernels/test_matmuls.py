@@ -215,6 +215,36 @@ def test_bfloat16_operands_reach_every_product_of_a_train_step_gradient():
       jnp.dtype(jnp.float32)}
 
 
+@pytest.mark.parametrize("rows", [7, 24])
+@pytest.mark.parametrize("depth,width", [(48, 16), (16, 48)])
+def test_bfloat16_kernel_gradient_runs_in_ynnpack_in_one_group_or_several(
+    rows, depth, width):
+  """kernel_gradient with bfloat16 operands, compiled as the train step is
+  (YNNPACK's dots): the float64 product of the rounded operands, for a wide
+  and a narrow kernel, with the rows in one group (7 rows on the suite's 8
+  devices: what every one-device run has) and in several; every compiled
+  product contracts its left operand over its last axis, the form YNNPACK
+  takes. One group and a wide input once made XLA fold a transpose back
+  into the product, which then failed to run ("Unsupported element type
+  for DotThunk")."""
+  options = matmuls.xla_compiler_options(jnp.bfloat16)
+  if options is None:
+    pytest.skip("YNNPACK's bfloat16 dots are XLA:CPU's (jaxlib 0.10-0.12)")
+  rng = np.random.default_rng(rows + depth)
+  x = rng.normal(size=(rows, depth)).astype(np.float32)
+  dy = rng.normal(size=(rows, width)).astype(np.float32)
+  gradient = functools.partial(matmuls.kernel_gradient,
+                               operand_dtype=jnp.bfloat16)
+  compiled = jax.jit(gradient, compiler_options=options).lower(x, dy).compile()
+  np.testing.assert_allclose(compiled(x, dy), _rounded(x).T @ _rounded(dy),
+                             rtol=1e-5, atol=1e-5)
+  for line in compiled.as_text().splitlines():
+    if " dot(" in line:  # (G, K, M) or (K, M) contracted over M
+      batch = re.search(r"lhs_batch_dims=\{([\d,]*)\}", line)
+      last = len(batch.group(1).split(",")) + 1 if batch else 1
+      assert f"lhs_contracting_dims={{{last}}}" in line, line
+
+
 def test_xla_compiler_options_turn_on_ynnpack_dots_only_for_bfloat16():
   options = matmuls.xla_compiler_options(jnp.bfloat16)
   assert matmuls.xla_compiler_options(None) is None

@@ -184,8 +184,9 @@ def _takes_ynnpack_kernel_gradient(inputs: jax.Array, operand_dtype) -> bool:
 def _ynnpack_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
                              precision) -> jax.Array:
   """inputs^T @ output_grad (float32) from bfloat16 operands, as a product
-  YNNPACK takes: the narrower operand transposed by `cpu_transpose` (the
-  wider one would cost more to copy), contracted over its last axis.
+  YNNPACK takes: one operand transposed by `cpu_transpose`, the narrower
+  where it can be (the wider would cost more to copy), contracted over its
+  last axis.
 
   The rows go in G groups, one per device where the rows divide so, as a
   batch axis of the product that is then summed: under a batch-split mesh
@@ -196,13 +197,20 @@ def _ynnpack_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
   """
   rows = inputs.shape[0]
   groups = math.gcd(rows, jax.device_count())
-  flip = inputs.shape[1] > output_grad.shape[1]
-  narrow, wide = (output_grad, inputs) if flip else (inputs, output_grad)
-  narrow_t = cpu_transpose.transpose_to_bfloat16(
-      narrow.reshape(groups, rows // groups, narrow.shape[1]))
-  wide = wide.reshape(groups, rows // groups, wide.shape[1])
+  # Transposing dy where it is the narrower makes the product the result's
+  # transpose. With one group nothing stands between that product and its
+  # transpose, and XLA folds the transpose into it, contracting the left
+  # operand over its first axis again: YNNPACK refuses that, and XLA:CPU's
+  # own dot has no bfloat16 kernel ("Unsupported element type for
+  # DotThunk": every one-device run). With several groups, their sum (the
+  # all-reduce under a split batch) stands between.
+  flip = groups > 1 and inputs.shape[1] > output_grad.shape[1]
+  left, right = (output_grad, inputs) if flip else (inputs, output_grad)
+  left_t = cpu_transpose.transpose_to_bfloat16(
+      left.reshape(groups, rows // groups, left.shape[1]))
+  right = right.reshape(groups, rows // groups, right.shape[1])
   partial = jax.lax.dot_general(
-      narrow_t, wide.astype(jnp.bfloat16), (((2,), (1,)), ((0,), (0,))),
+      left_t, right.astype(jnp.bfloat16), (((2,), (1,)), ((0,), (0,))),
       precision=precision, preferred_element_type=jnp.float32)
   result = partial.sum(axis=0)
   return result.T if flip else result
