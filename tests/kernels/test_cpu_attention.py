@@ -470,31 +470,35 @@ def test_one_pair_matches_double_precision_without_jax(tmp_path):
   assert all("tile=6x" in line for line in lines)
 
 
-@pytest.mark.skipif(
-    platform.machine() != "x86_64"
-    or "amx_bf16" not in open("/proc/cpuinfo").read(),
-    reason="the AMX passes run on an x86 CPU with AMX-BF16")
-def test_the_amx_passes_keep_the_threads_tiles_and_the_rounded_values(
-    tmp_path):
-  """tests/kernels/amx_tiles_check.cc, built for this CPU: the bfloat16
-  kernel's AMX forward and backward passes restore the tile configuration
-  another library left on the thread, and give the values of the path
-  without AMX (the same rounded operands) to 1e-4 of the largest."""
+@pytest.mark.parametrize("engine,flag,macro", [
+    ("amx", "amx_bf16", "__AMX_BF16__"),
+    ("dot", "avx512_bf16", "__AVX512BF16__")])
+def test_the_bfloat16_tiled_passes_give_the_rounded_values(
+    tmp_path, engine, flag, macro):
+  """tests/kernels/bf16_tiles_check.cc, built for this CPU: the bfloat16
+  kernel's forward and backward passes on AMX tiles and on AVX512_BF16's
+  dot instruction give the values of the passes without bfloat16
+  instructions (the same rounded operands) to 1e-4 of the largest; the
+  AMX passes restore the tile configuration another library left on the
+  thread."""
+  if platform.machine() != "x86_64" or flag not in open(
+      "/proc/cpuinfo").read().split():
+    pytest.skip(f"the {engine} passes run on an x86 CPU with {flag}")
   compiler = os.environ.get("CXX", "c++")
   macros = subprocess.run([compiler, "-march=native", "-dM", "-E", "-"],
                           input="", capture_output=True, text=True).stdout
-  if "__AMX_BF16__" not in macros:
-    pytest.skip(f"{compiler} does not target AMX-BF16 with -march=native "
-                "(the kernel then builds without its AMX passes)")
-  check = os.path.join(os.path.dirname(__file__), "amx_tiles_check.cc")
-  program = tmp_path / "amx_tiles_check"
+  if macro not in macros:
+    pytest.skip(f"{compiler} does not target {flag} with -march=native "
+                f"(the kernel then builds without its {engine} passes)")
+  check = os.path.join(os.path.dirname(__file__), "bf16_tiles_check.cc")
+  program = tmp_path / "bf16_tiles_check"
   subprocess.run(
       [compiler, "-O3", "-ffp-contract=fast",
        "-std=c++17", "-w", "-march=native", f"-I{jax.ffi.include_dir()}",
        f"-I{cpu_build.SOURCES[0].parent}", check, "-o", str(program)],
       check=True, capture_output=True)
-  result = subprocess.run([str(program)], capture_output=True, text=True,
-                          check=False, timeout=120)
+  result = subprocess.run([str(program), engine], capture_output=True,
+                          text=True, check=False, timeout=120)
   lines = result.stdout.splitlines()
   assert result.returncode == 0 and len(lines) == 4, result.stdout
   assert all(line.startswith("ok ") for line in lines), result.stdout

@@ -39,7 +39,7 @@ SOURCES = tuple(_CSRC / name for name in (
     "attention_cpu.cc", "attention_bf16_cpu.cc", "transpose_cpu.cc",
     "gemm_cpu.cc", "layer_norm_cpu.cc", "gelu_cpu.cc", "adamw_cpu.cc"))
 HEADERS = tuple(_CSRC / name for name in (
-    "attention_core.h", "attention_handlers.h", "amx_tiles.h",
+    "attention_core.h", "attention_handlers.h", "bf16_tiles.h",
     "parallel_tasks.h", "vectors.h"))
 _FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC",
           "-w")

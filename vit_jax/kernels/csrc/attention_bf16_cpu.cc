@@ -6,15 +6,17 @@
 // and its gradient stay float32. Same layouts and pairs as
 // attention_cpu.cc (attention_core.h).
 //
-// Where the CPU has AMX (and Linux grants this process its tile data) the
-// products run as AMX tile products (amx_tiles.h); elsewhere the same
-// rounded values go through the float32 products. (AVX512_BF16's dot
-// instruction is no help: on an AMX Xeon it ran at half the rate of
-// float32 FMAs, docs/performance.md.)
+// The products run on bfloat16 instructions where the CPU has them
+// (bf16_tiles.h): as AMX tile products where it has AMX (and Linux grants
+// this process its tile data), else with AVX512_BF16's dot instruction
+// (Zen 4: twice float32's rate). Elsewhere, and on an AMX CPU without the
+// grant, the same rounded values go through the float32 products.
+// (AVX512_BF16's dot instruction ran at half the rate of float32 FMAs on an
+// AMX Xeon, docs/performance.md.)
 
 #include "attention_handlers.h"
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__)
-#include "amx_tiles.h"
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include "bf16_tiles.h"
 #endif
 
 namespace {
@@ -49,7 +51,7 @@ void CopyRows(int64_t rows, int64_t columns, const float* x, float* out,
 }
 
 // The rounded operands widened back to float32, through the float32
-// products: the values of ForwardPairAmx without AMX.
+// products: the values of ForwardPairTiled without bfloat16 instructions.
 void ForwardPairRounded(const Shape& s, const float* q, const float* k,
                         const float* v, float* o, float* p) {
   const int64_t d = s.head_dim, tq = s.query_tokens, tk = s.key_tokens,
@@ -74,7 +76,8 @@ void ForwardPairRounded(const Shape& s, const float* q, const float* k,
 }
 
 // BackwardPair from rounded operands (dO, V, K, Q, P and dS), through the
-// float32 products: the values of BackwardPairAmx without AMX.
+// float32 products: the values of BackwardPairTiled without bfloat16
+// instructions.
 void BackwardPairRounded(const Shape& s, const float* q, const float* k,
                          const float* v, const float* p, const float* dout,
                          float* dq, float* dk, float* dv) {
@@ -104,10 +107,34 @@ void BackwardPairRounded(const Shape& s, const float* q, const float* k,
   Product(tk, d, tq, ds, 1, tkp, qr, d, dk, s.kv_row);  // dK = dS^T Q
 }
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__)
-// The forward pass of one pair on AMX. Query rows are padded
-// to whole tiles of 16, head_dim and keys to whole depth steps of 32.
-void ForwardPairAmx(const Shape& s, const float* q, const float* k,
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// The tile products of AVX512_BF16's dot instruction, for the passes below.
+struct DotTiles {
+  static void Product(int64_t m_blocks, int64_t n_blocks, int64_t depth,
+                      const uint16_t* a, int64_t a_stride, const uint32_t* b,
+                      int64_t b_stride, float* c, int64_t ldc) {
+    DotTileProduct(m_blocks, n_blocks, depth, a, a_stride, b, b_stride, c,
+                   ldc);
+  }
+};
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// AMX's tile products, configured while an object lives (ScopedTiles).
+struct AmxTiles {
+  ScopedTiles scope;
+  static void Product(int64_t m_blocks, int64_t n_blocks, int64_t depth,
+                      const uint16_t* a, int64_t a_stride, const uint32_t* b,
+                      int64_t b_stride, float* c, int64_t ldc) {
+    tiles.Product(m_blocks, n_blocks, depth, a, a_stride, b, b_stride, c, ldc);
+  }
+};
+#endif
+
+// The forward pass of one pair on Tiles (DotTiles or AmxTiles). Query rows
+// are padded to whole tiles of 16, head_dim and keys to whole depth steps
+// of 32.
+template <typename Tiles>
+void ForwardPairTiled(const Shape& s, const float* q, const float* k,
                     const float* v, float* o, float* p) {
   const int64_t d = s.head_dim, tq = s.query_tokens, tk = s.key_tokens,
                 tkp = s.padded_keys;
@@ -115,7 +142,7 @@ void ForwardPairAmx(const Shape& s, const float* q, const float* k,
                 tkd = RoundUpTo(tkp, 32);
   const int64_t qn = tqt * dd / 2, kn = dd / 2 * tkp, vn = tkd / 2 * d,
                 pn = tqt * tkd / 2, rows = tk * dd / 2;
-  uint32_t* qw = AmxScratch(qn + kn + vn + pn + rows + tqt * tkp + tqt * d);
+  uint32_t* qw = TileScratch(qn + kn + vn + pn + rows + tqt * tkp + tqt * d);
   uint32_t* kw = qw + qn;
   uint32_t* vw = kw + kn;
   uint32_t* pw = vw + vn;
@@ -125,22 +152,23 @@ void ForwardPairAmx(const Shape& s, const float* q, const float* k,
   ToBfloat16Rows(tq, d, q, d, tqt, dd, reinterpret_cast<uint16_t*>(qw));
   PairColumns(tk, d, k, d, dd / 2, tkp, kw, krows);
   PairRows(tk, d, v, d, tkd / 2, vw);
-  const ScopedTiles tiles;
-  TileProduct(tqt / 16, tkp / 16, dd, reinterpret_cast<uint16_t*>(qw), dd * 2,
+  const Tiles tiles{};
+  tiles.Product(tqt / 16, tkp / 16, dd, reinterpret_cast<uint16_t*>(qw), dd * 2,
               kw, tkp * 4, logits, tkp);
   Softmax(tq, tk, tkp, s.scale, logits);
   if (p) std::memcpy(p, logits, tq * tkp * sizeof(float));
   ToBfloat16Rows(tq, tkp, logits, tkp, tqt, tkd,
                  reinterpret_cast<uint16_t*>(pw));
-  TileProduct(tqt / 16, d / 16, tkd, reinterpret_cast<uint16_t*>(pw), tkd * 2,
+  tiles.Product(tqt / 16, d / 16, tkd, reinterpret_cast<uint16_t*>(pw), tkd * 2,
               vw, d * 4, out, d);
   CopyRows(tq, d, out, o, s.o_row);
 }
 
-// The backward pass of one pair on AMX: BackwardPair's four products from
+// The backward pass of one pair on Tiles: BackwardPair's four products from
 // bfloat16 operands (dO, V, K, Q, P and dS rounded), float32 sums and
 // softmax gradient.
-void BackwardPairAmx(const Shape& s, const float* q, const float* k,
+template <typename Tiles>
+void BackwardPairTiled(const Shape& s, const float* q, const float* k,
                      const float* v, const float* p, const float* dout,
                      float* dq, float* dk, float* dv) {
   const int64_t d = s.head_dim, tq = s.query_tokens, tk = s.key_tokens,
@@ -153,60 +181,68 @@ void BackwardPairAmx(const Shape& s, const float* q, const float* k,
   const int64_t an = std::max(d * tqd, tqt * std::max(tkd, dd)) / 2,
                 bn = std::max(tkd / 2 * d, std::max(tqd, dd) / 2 * tkp),
                 sn = std::max(tq * d / 2 + 1, tk * dd / 2);
-  uint32_t* a = AmxScratch(an + bn + sn + tqt * tkp +
+  uint32_t* a = TileScratch(an + bn + sn + tqt * tkp +
                            std::max(tkp, tqt) * d);
   uint32_t* b = a + an;
   uint32_t* scratch = b + bn;
   float* ds = reinterpret_cast<float*>(scratch + sn);
   float* product = ds + tqt * tkp;
   uint16_t* a16 = reinterpret_cast<uint16_t*>(a);
-  const ScopedTiles tiles;
+  const Tiles tiles{};
   // dV = (dO^T P)^T: of the two operands contracted over their rows, the
   // narrower one (dO, not P) is the one transposed.
   ToBfloat16Transposed(tq, d, dout, s.o_row, d, tqd, a16,
                        reinterpret_cast<uint16_t*>(scratch));
   PairRows(tq, tkp, p, tkp, tqd / 2, b);
-  TileProduct(d / 16, tkp / 16, tqd, a16, tqd * 2, b, tkp * 4, product, tkp);
+  tiles.Product(d / 16, tkp / 16, tqd, a16, tqd * 2, b, tkp * 4, product, tkp);
   for (int64_t n = 0; n < tk; ++n)
     for (int64_t c = 0; c < d; ++c)
       dv[n * s.kv_row + c] = product[c * tkp + n];
   // dP = dO V^T, then dS in its place
   ToBfloat16Rows(tq, d, dout, s.o_row, tqt, dd, a16);
   PairColumns(tk, d, v, d, dd / 2, tkp, b, scratch);
-  TileProduct(tqt / 16, tkp / 16, dd, a16, dd * 2, b, tkp * 4, ds, tkp);
+  tiles.Product(tqt / 16, tkp / 16, dd, a16, dd * 2, b, tkp * 4, ds, tkp);
   SoftmaxGradient(tq, tkp, s.scale, p, ds);
   // dQ = dS K
   ToBfloat16Rows(tq, tkp, ds, tkp, tqt, tkd, a16);
   PairRows(tk, d, k, d, tkd / 2, b);
-  TileProduct(tqt / 16, d / 16, tkd, a16, tkd * 2, b, d * 4, product, d);
+  tiles.Product(tqt / 16, d / 16, tkd, a16, tkd * 2, b, d * 4, product, d);
   CopyRows(tq, d, product, dq, s.q_row);
   // dK = (Q^T dS)^T, the same way round
   ToBfloat16Transposed(tq, d, q, d, d, tqd, a16,
                        reinterpret_cast<uint16_t*>(scratch));
   PairRows(tq, tkp, ds, tkp, tqd / 2, b);
-  TileProduct(d / 16, tkp / 16, tqd, a16, tqd * 2, b, tkp * 4, product, tkp);
+  tiles.Product(d / 16, tkp / 16, tqd, a16, tqd * 2, b, tkp * 4, product, tkp);
   for (int64_t n = 0; n < tk; ++n)
     for (int64_t c = 0; c < d; ++c)
       dk[n * s.kv_row + c] = product[c * tkp + n];
 }
 
+// Which passes run: AMX's where the CPU has AMX and Linux grants it, the
+// float32 products of rounded values on an AMX CPU without the grant (as
+// measured there, not AVX512_BF16's dots), AVX512_BF16's dots on a CPU
+// with those and no AMX.
 void ForwardPairBf16(const Shape& s, const float* q, const float* k,
                      const float* v, float* o, float* p) {
-  if (AmxGranted()) {
-    ForwardPairAmx(s, q, k, v, o, p);
-  } else {
-    ForwardPairRounded(s, q, k, v, o, p);
-  }
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  if (AmxGranted()) return ForwardPairTiled<AmxTiles>(s, q, k, v, o, p);
+  ForwardPairRounded(s, q, k, v, o, p);
+#else
+  ForwardPairTiled<DotTiles>(s, q, k, v, o, p);
+#endif
 }
 
 void BackwardPairBf16(const Shape& s, const float* q, const float* k,
                       const float* v, const float* p, const float* dout,
                       float* dq, float* dk, float* dv) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
   if (AmxGranted()) {
-    BackwardPairAmx(s, q, k, v, p, dout, dq, dk, dv);
-  } else {
-    BackwardPairRounded(s, q, k, v, p, dout, dq, dk, dv);
+    return BackwardPairTiled<AmxTiles>(s, q, k, v, p, dout, dq, dk, dv);
   }
+  BackwardPairRounded(s, q, k, v, p, dout, dq, dk, dv);
+#else
+  BackwardPairTiled<DotTiles>(s, q, k, v, p, dout, dq, dk, dv);
+#endif
 }
 #else
 void ForwardPairBf16(const Shape& s, const float* q, const float* k,
