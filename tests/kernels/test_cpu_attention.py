@@ -382,6 +382,24 @@ def test_the_build_is_cached_and_failures_name_the_compiler(
 
 @pytest.mark.skipif(platform.machine() != "x86_64",
                     reason="x86 instruction sets")
+def test_the_kernels_compile_for_a_cpu_with_amx_and_avx512_fp16():
+  """Every kernel source, as cpu_build's one translation unit, compiles for
+  a Sapphire Rapids Xeon (AMX, AVX512_BF16 and AVX512_FP16: the code
+  behind those macros, which a build for this machine may leave out),
+  checked for errors only."""
+  compiler = os.environ.get("CXX", "c++")
+  unit = "".join(f'#include "{source}"\n' for source in cpu_build.SOURCES)
+  result = subprocess.run(
+      [compiler, "-fsyntax-only", "-std=c++17", "-w", "-march=sapphirerapids",
+       f"-I{jax.ffi.include_dir()}", "-x", "c++", "-"],
+      input=unit, capture_output=True, text=True, check=False)
+  if "sapphirerapids" in result.stderr and "march" in result.stderr:
+    pytest.skip(f"{compiler} does not know -march=sapphirerapids")
+  assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64",
+                    reason="x86 instruction sets")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])
 def test_the_avx2_and_sse_builds_match_the_reference_too(tmp_path, march):
   """The kernels built for AVX2 (8-float vectors) or SSE (4-float vectors),

@@ -6,13 +6,13 @@
 // and its gradient stay float32. Same layouts and pairs as
 // attention_cpu.cc (attention_core.h).
 //
-// The products run on bfloat16 instructions where the CPU has them
-// (bf16_tiles.h): as AMX tile products where it has AMX (and Linux grants
-// this process its tile data), else with AVX512_BF16's dot instruction
-// (Zen 4: twice float32's rate). Elsewhere, and on an AMX CPU without the
-// grant, the same rounded values go through the float32 products.
-// (AVX512_BF16's dot instruction ran at half the rate of float32 FMAs on an
-// AMX Xeon, docs/performance.md.)
+// The products run on bfloat16 instructions where they were measured to
+// pay (bf16_tiles.h): as AMX tile products where the CPU has AMX (and Linux
+// grants this process its tile data), and with AVX512_BF16's dot
+// instruction on AMD's CPUs with it (Zen 4: twice float32's rate).
+// Elsewhere the same rounded values go through the float32 products: on
+// the AMX Xeon the dot instruction ran at half float32's rate, and Intel's
+// CPUs with it and no AMX are unmeasured (docs/performance.md).
 
 #include "attention_handlers.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -125,7 +125,7 @@ struct AmxTiles {
   static void Product(int64_t m_blocks, int64_t n_blocks, int64_t depth,
                       const uint16_t* a, int64_t a_stride, const uint32_t* b,
                       int64_t b_stride, float* c, int64_t ldc) {
-    tiles.Product(m_blocks, n_blocks, depth, a, a_stride, b, b_stride, c, ldc);
+    TileProduct(m_blocks, n_blocks, depth, a, a_stride, b, b_stride, c, ldc);
   }
 };
 #endif
@@ -218,31 +218,51 @@ void BackwardPairTiled(const Shape& s, const float* q, const float* k,
       dk[n * s.kv_row + c] = product[c * tkp + n];
 }
 
-// Which passes run: AMX's where the CPU has AMX and Linux grants it, the
-// float32 products of rounded values on an AMX CPU without the grant (as
-// measured there, not AVX512_BF16's dots), AVX512_BF16's dots on a CPU
-// with those and no AMX.
+// Which passes run (the file's first comment says why): AMX's where the
+// CPU has AMX and Linux grants it, AVX512_BF16's dots on AMD's CPUs, the
+// float32 products of the rounded values elsewhere.
+enum class Engine { kAmx, kDots, kFloat32 };
+
+Engine ChooseEngine() {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  if (AmxGranted()) return Engine::kAmx;
+#endif
+  __builtin_cpu_init();  // needed where a library's constructors run first
+  return __builtin_cpu_is("amd") ? Engine::kDots : Engine::kFloat32;
+}
+
+Engine TheEngine() {
+  static const Engine engine = ChooseEngine();
+  return engine;
+}
+
 void ForwardPairBf16(const Shape& s, const float* q, const float* k,
                      const float* v, float* o, float* p) {
+  switch (TheEngine()) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  if (AmxGranted()) return ForwardPairTiled<AmxTiles>(s, q, k, v, o, p);
-  ForwardPairRounded(s, q, k, v, o, p);
-#else
-  ForwardPairTiled<DotTiles>(s, q, k, v, o, p);
+    case Engine::kAmx:
+      return ForwardPairTiled<AmxTiles>(s, q, k, v, o, p);
 #endif
+    case Engine::kDots:
+      return ForwardPairTiled<DotTiles>(s, q, k, v, o, p);
+    default:
+      return ForwardPairRounded(s, q, k, v, o, p);
+  }
 }
 
 void BackwardPairBf16(const Shape& s, const float* q, const float* k,
                       const float* v, const float* p, const float* dout,
                       float* dq, float* dk, float* dv) {
+  switch (TheEngine()) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  if (AmxGranted()) {
-    return BackwardPairTiled<AmxTiles>(s, q, k, v, p, dout, dq, dk, dv);
-  }
-  BackwardPairRounded(s, q, k, v, p, dout, dq, dk, dv);
-#else
-  BackwardPairTiled<DotTiles>(s, q, k, v, p, dout, dq, dk, dv);
+    case Engine::kAmx:
+      return BackwardPairTiled<AmxTiles>(s, q, k, v, p, dout, dq, dk, dv);
 #endif
+    case Engine::kDots:
+      return BackwardPairTiled<DotTiles>(s, q, k, v, p, dout, dq, dk, dv);
+    default:
+      return BackwardPairRounded(s, q, k, v, p, dout, dq, dk, dv);
+  }
 }
 #else
 void ForwardPairBf16(const Shape& s, const float* q, const float* k,
