@@ -13,9 +13,12 @@ backward pass as the einsums do.
 With the model's bfloat16 products (`config.model.matmul_dtype`) the
 kernel's products round their operands to bfloat16 too
 (`csrc/attention_bf16_cpu.cc`), as PyTorch's CPU autocast does for its
-attention: on a CPU with AMX they run as AMX tile products, and the
-ViT-Ti/16 @224 train step with bfloat16 products took 9% less time
-(docs/performance.md, *bfloat16 on an AMX CPU*).
+attention: on a CPU with AMX they run as AMX tile products (the
+ViT-Ti/16 @224 train step with bfloat16 products took 9% less time), on
+AMD's CPUs with AVX512_BF16 on its dot instruction (the kernel 24% less
+on a Zen 4), elsewhere as float32 products of the rounded values
+(docs/performance.md, *bfloat16 on an AMX CPU*, *The AVX-512 AMD EPYC
+again*).
 
 The kernel is built on first use for this machine's CPU (`cpu_build`).
 Without a compiler, or if the build fails, `problem` says why and the model
@@ -200,7 +203,8 @@ def self_attention(projections: jax.Array, bias: jax.Array, scale: float,
   backward passes (two and four) reads its operands rounded to bfloat16
   and sums in float32, as the model's bfloat16 products do; the softmax
   and its gradient stay float32. On a CPU with AMX the products run as AMX
-  tile products. Needs `problem(...)` to be None.
+  tile products, on AMD's with AVX512_BF16 on its dot instruction. Needs
+  `problem(...)` to be None.
   """
   packed, _ = _families(operand_dtype)
   return _core(packed, _check(scale, bias, projections.shape[3:]), bias,
