@@ -135,7 +135,7 @@ struct AmxTiles {
 // of 32.
 template <typename Tiles>
 void ForwardPairTiled(const Shape& s, const float* q, const float* k,
-                    const float* v, float* o, float* p) {
+                      const float* v, float* o, float* p) {
   const int64_t d = s.head_dim, tq = s.query_tokens, tk = s.key_tokens,
                 tkp = s.padded_keys;
   const int64_t tqt = RoundUpTo(tq, 16), dd = RoundUpTo(d, 32),
@@ -153,14 +153,14 @@ void ForwardPairTiled(const Shape& s, const float* q, const float* k,
   PairColumns(tk, d, k, d, dd / 2, tkp, kw, krows);
   PairRows(tk, d, v, d, tkd / 2, vw);
   const Tiles tiles{};
-  tiles.Product(tqt / 16, tkp / 16, dd, reinterpret_cast<uint16_t*>(qw), dd * 2,
-              kw, tkp * 4, logits, tkp);
+  tiles.Product(tqt / 16, tkp / 16, dd, reinterpret_cast<uint16_t*>(qw),
+                dd * 2, kw, tkp * 4, logits, tkp);
   Softmax(tq, tk, tkp, s.scale, logits);
   if (p) std::memcpy(p, logits, tq * tkp * sizeof(float));
   ToBfloat16Rows(tq, tkp, logits, tkp, tqt, tkd,
                  reinterpret_cast<uint16_t*>(pw));
-  tiles.Product(tqt / 16, d / 16, tkd, reinterpret_cast<uint16_t*>(pw), tkd * 2,
-              vw, d * 4, out, d);
+  tiles.Product(tqt / 16, d / 16, tkd, reinterpret_cast<uint16_t*>(pw),
+                tkd * 2, vw, d * 4, out, d);
   CopyRows(tq, d, out, o, s.o_row);
 }
 
@@ -169,8 +169,8 @@ void ForwardPairTiled(const Shape& s, const float* q, const float* k,
 // softmax gradient.
 template <typename Tiles>
 void BackwardPairTiled(const Shape& s, const float* q, const float* k,
-                     const float* v, const float* p, const float* dout,
-                     float* dq, float* dk, float* dv) {
+                       const float* v, const float* p, const float* dout,
+                       float* dq, float* dk, float* dv) {
   const int64_t d = s.head_dim, tq = s.query_tokens, tk = s.key_tokens,
                 tkp = s.padded_keys;
   const int64_t tqt = RoundUpTo(tq, 16), tqd = RoundUpTo(tq, 32),
@@ -182,7 +182,7 @@ void BackwardPairTiled(const Shape& s, const float* q, const float* k,
                 bn = std::max(tkd / 2 * d, std::max(tqd, dd) / 2 * tkp),
                 sn = std::max(tq * d / 2 + 1, tk * dd / 2);
   uint32_t* a = TileScratch(an + bn + sn + tqt * tkp +
-                           std::max(tkp, tqt) * d);
+                            std::max(tkp, tqt) * d);
   uint32_t* b = a + an;
   uint32_t* scratch = b + bn;
   float* ds = reinterpret_cast<float*>(scratch + sn);
@@ -194,7 +194,8 @@ void BackwardPairTiled(const Shape& s, const float* q, const float* k,
   ToBfloat16Transposed(tq, d, dout, s.o_row, d, tqd, a16,
                        reinterpret_cast<uint16_t*>(scratch));
   PairRows(tq, tkp, p, tkp, tqd / 2, b);
-  tiles.Product(d / 16, tkp / 16, tqd, a16, tqd * 2, b, tkp * 4, product, tkp);
+  tiles.Product(d / 16, tkp / 16, tqd, a16, tqd * 2, b, tkp * 4, product,
+                tkp);
   for (int64_t n = 0; n < tk; ++n)
     for (int64_t c = 0; c < d; ++c)
       dv[n * s.kv_row + c] = product[c * tkp + n];
@@ -212,7 +213,8 @@ void BackwardPairTiled(const Shape& s, const float* q, const float* k,
   ToBfloat16Transposed(tq, d, q, d, d, tqd, a16,
                        reinterpret_cast<uint16_t*>(scratch));
   PairRows(tq, tkp, ds, tkp, tqd / 2, b);
-  tiles.Product(d / 16, tkp / 16, tqd, a16, tqd * 2, b, tkp * 4, product, tkp);
+  tiles.Product(d / 16, tkp / 16, tqd, a16, tqd * 2, b, tkp * 4, product,
+                tkp);
   for (int64_t n = 0; n < tk; ++n)
     for (int64_t c = 0; c < d; ++c)
       dk[n * s.kv_row + c] = product[c * tkp + n];
