@@ -388,11 +388,11 @@ def test_the_kernels_compile_for_a_cpu_with_amx_and_avx512_fp16():
   behind those macros, which a build for this machine may leave out),
   checked for errors only."""
   compiler = os.environ.get("CXX", "c++")
-  unit = "".join(f'#include "{source}"\n' for source in cpu_build.SOURCES)
   result = subprocess.run(
       [compiler, "-fsyntax-only", "-std=c++17", "-w", "-march=sapphirerapids",
        f"-I{jax.ffi.include_dir()}", "-x", "c++", "-"],
-      input=unit, capture_output=True, text=True, check=False)
+      input=cpu_build.translation_unit(), capture_output=True, text=True,
+      check=False)
   if "sapphirerapids" in result.stderr and "march" in result.stderr:
     pytest.skip(f"{compiler} does not know -march=sapphirerapids")
   assert result.returncode == 0, result.stderr[-3000:]

@@ -11,8 +11,6 @@
 #define VIT_JAX_KERNELS_CSRC_BF16_TILES_H_
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -153,6 +151,9 @@ void DotTileProduct(int64_t m_blocks, int64_t n_blocks, int64_t depth,
 }
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
 // Whether Linux lets this process use AMX's tile data (asked once).
 bool AmxGranted() {
   static const bool granted =
