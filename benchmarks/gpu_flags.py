@@ -47,7 +47,7 @@ import jax.numpy as jnp
 # The race's sizes and preprocessing (benchmarks/, beside this file).
 from gpu_throughput import (IMAGE_SIZE, MODELS, NUM_CLASSES, inference_program,
                             preprocess)
-from vit_jax.kernels import attention, matmuls
+from vit_jax.kernels import attention, gelu_matmul, matmuls
 from vit_jax.model import variants
 from vit_jax.runtime import sharding
 from vit_jax.training import optim, steps
@@ -104,7 +104,7 @@ def _jax_dense_dot_general(inputs, kernel, dimension_numbers, precision=None,
 
 def _jax_gelu_dot_general(input_bias, approximate=True, operand_dtype=None,
                           implementation="xla"):
-  """`matmuls.gelu_dot_general` without its backward pass."""
+  """`gelu_matmul.gelu_dot_general` without its backward pass."""
   def dot_general(inputs, kernel, *args, **kwargs):
     return _jax_dense_dot_general(
         nn.gelu(inputs + input_bias.astype(inputs.dtype),
@@ -119,18 +119,18 @@ def model_paths(variant: Variant):
   """While active (around tracing), the model's Dense layers take the
   variant's matmul gradients ("vit_jax" as they are, or "jax": module
   docstring) and its attention pads for cuDNN or not."""
-  real = (matmuls.dense_dot_general, matmuls.gelu_dot_general,
+  real = (matmuls.dense_dot_general, gelu_matmul.gelu_dot_general,
           attention.needs_even_tokens)
   if variant.matmul_gradients == "jax":
     matmuls.dense_dot_general = _jax_dense_dot_general
-    matmuls.gelu_dot_general = _jax_gelu_dot_general
+    gelu_matmul.gelu_dot_general = _jax_gelu_dot_general
   if not variant.pad_for_cudnn:
     attention.needs_even_tokens = lambda implementation: False
   jax.clear_caches()  # jit caches traced blocks: none may serve across
   try:
     yield
   finally:
-    (matmuls.dense_dot_general, matmuls.gelu_dot_general,
+    (matmuls.dense_dot_general, gelu_matmul.gelu_dot_general,
      attention.needs_even_tokens) = real
     jax.clear_caches()
 

@@ -26,9 +26,9 @@ einsum attention's softmax: "ours" (`attention.softmax`, which keeps only
 its output for the backward pass) or "jax.nn" (`jax.nn.softmax`).
 --a_kernel_gradient / --b_kernel_gradient pick how the Dense layers'
 backward pass computes the kernels' gradients: "ours"
-(`matmuls.kernel_gradient`, the narrower side as the product's rows) or
+(`xla_products.kernel_gradient`, the narrower side as the product's rows) or
 "jax" (output_grad^T @ inputs, transposed, as JAX's transpose rule does)
-or "xla" (`matmuls.xla_kernel_gradient`: with bfloat16 products, the
+or "xla" (`xla_products.xla_kernel_gradient`: with bfloat16 products, the
 weight gradient widened to float32 by XLA, as before it went to YNNPACK).
 --a_attention_core / --b_attention_core pick the attention core (the
 logits product, the softmax and the weighted sum of values): "xla", the
@@ -47,7 +47,7 @@ variant's fields name one (by default the model runs float32 products on
 a CPU in oneDNN: `--a='{"matmul_implementation": "xla"}'` compares).
 --a_xla_options / --b_xla_options add XLA options (a JSON dict) to the
 variant's program, over those the model's matmul_dtype asks for
-(`matmuls.xla_compiler_options`). --a_free / --b_free make one part of
+(`xla_products.xla_compiler_options`). --a_free / --b_free make one part of
 the step nearly free, the data flow around it kept (`free_part`):
 "kernel_gradients" (each Dense kernel's gradient from 16 rows instead of
 all), "gelu" (the identity in its place, the bias kept), "layer_norm" (its
@@ -79,13 +79,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import throughput  # this folder's: the worker's model, dims and batch
-from vit_jax.kernels import attention, cpu_attention, matmuls
+from vit_jax.kernels import attention, cpu_attention, gelu_matmul, xla_products
 from vit_jax.model import vit
 from vit_jax.runtime import host, sharding
 from vit_jax.training import optim, steps
 
 OUR_SOFTMAX = attention.softmax
-OUR_KERNEL_GRADIENT = matmuls.kernel_gradient
+OUR_KERNEL_GRADIENT = xla_products.kernel_gradient
 # The attention core's two products in self_attention.MultiHeadSelfAttention.
 LOGITS_SPEC, WEIGHTED_SUM_SPEC = "bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"
 
@@ -94,7 +94,7 @@ def jax_kernel_gradient(inputs, output_grad, precision=None,
                         operand_dtype=None):
   """inputs^T @ output_grad the way JAX's transpose of a matmul writes it:
   output_grad^T @ inputs, transposed (operands rounded to operand_dtype,
-  if given, as `matmuls.kernel_gradient` rounds them)."""
+  if given, as `xla_products.kernel_gradient` rounds them)."""
   rounded = lambda x: x if operand_dtype is None else x.astype(operand_dtype)
   return jax.lax.dot_general(
       rounded(output_grad.astype(inputs.dtype)), rounded(inputs),
@@ -103,7 +103,7 @@ def jax_kernel_gradient(inputs, output_grad, precision=None,
 
 
 KERNEL_GRADIENTS = {"ours": OUR_KERNEL_GRADIENT, "jax": jax_kernel_gradient,
-                    "xla": matmuls.xla_kernel_gradient}
+                    "xla": xla_products.xla_kernel_gradient}
 
 
 @contextlib.contextmanager
@@ -183,7 +183,7 @@ class ScaleAndOffset(nn.Module):
 def _kernel_gradient_of_16_rows(inputs, output_grad, precision=None,
                                 operand_dtype=None):
   """A kernel's gradient (K, N) from the first 16 of the rows: the same
-  shape, operands and dependencies as `matmuls.kernel_gradient`'s, at a
+  shape, operands and dependencies as `xla_products.kernel_gradient`'s, at a
   200th of its work for ViT-Ti/16 @224."""
   del operand_dtype
   return jax.lax.dot_general(inputs[:16], output_grad[:16].astype(
@@ -194,22 +194,22 @@ def _kernel_gradient_of_16_rows(inputs, output_grad, precision=None,
 def free_part(part: str):
   """While active (around tracing), `part` of the model costs almost
   nothing (the module docstring's --a_free); "none" changes nothing."""
-  saved = (matmuls.kernel_gradient, nn.gelu, nn.LayerNorm,
-           matmuls._takes_gelu_kernel)  # pylint: disable=protected-access
+  saved = (xla_products.kernel_gradient, nn.gelu, nn.LayerNorm,
+           gelu_matmul._takes_gelu_kernel)  # pylint: disable=protected-access
   jax.clear_caches()  # as in elementwise_core
   if part == "kernel_gradients":
-    matmuls.kernel_gradient = _kernel_gradient_of_16_rows
+    xla_products.kernel_gradient = _kernel_gradient_of_16_rows
   elif part == "gelu":
     nn.gelu = lambda x, approximate=True: x
     # Flax's GELU, not the C++ one between oneDNN's products.
-    matmuls._takes_gelu_kernel = lambda *_: False  # pylint: disable=protected-access
+    gelu_matmul._takes_gelu_kernel = lambda *_: False  # pylint: disable=protected-access
   elif part == "layer_norm":
     nn.LayerNorm = ScaleAndOffset
   try:
     yield
   finally:
-    (matmuls.kernel_gradient, nn.gelu, nn.LayerNorm,
-     matmuls._takes_gelu_kernel) = saved  # pylint: disable=protected-access
+    (xla_products.kernel_gradient, nn.gelu, nn.LayerNorm,
+     gelu_matmul._takes_gelu_kernel) = saved  # pylint: disable=protected-access
     jax.clear_caches()
 
 
@@ -256,7 +256,7 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
   # gradient needs a new trace.
   attention.softmax = (OUR_SOFTMAX if softmax == "ours"
                        else lambda logits: jax.nn.softmax(logits, axis=-1))
-  matmuls.kernel_gradient = KERNEL_GRADIENTS[kernel_gradient]
+  xla_products.kernel_gradient = KERNEL_GRADIENTS[kernel_gradient]
   jax.clear_caches()
   if softmax != "ours" or attention_core == "elementwise":
     # Both replace parts of the einsums, which "auto" skips on a CPU with
@@ -275,7 +275,7 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
       1e-3, weight_decay=0.05), 0, mesh)
   # bfloat16 products take YNNPACK for their dots, as in the trainer.
   step = throughput.jit_train_step(dict(
-      matmuls.xla_compiler_options(fields.get("matmul_dtype")) or {},
+      xla_products.xla_compiler_options(fields.get("matmul_dtype")) or {},
       **xla_options) or None)
   start = time.perf_counter()
   with contextlib.ExitStack() as patches:

@@ -91,7 +91,7 @@ def bench_matmul_dtype():
 # input gradient dy.W^T, weight gradient x^T.dy. At ViT-Ti's widths XLA:CPU
 # runs the weight gradient ~20% below the other two. Here it is a jitted
 # product on its own, so XLA turns (768, 192) round to the slow orientation
-# whichever way `matmuls.kernel_gradient` writes it; in the data-parallel
+# whichever way `xla_products.kernel_gradient` writes it; in the data-parallel
 # train step it keeps the fast one (docs/performance.md, "The kernels' gradients the
 # narrow way round").
 DENSE_PRODUCTS = ("x.W", "dy.W^T", "x^T.dy")
@@ -146,7 +146,7 @@ class JaxStep:
                patch_size=None, batch=None, num_layers=None):
     import jax
     import jax.numpy as jnp
-    from vit_jax.kernels import matmuls
+    from vit_jax.kernels import xla_products
     from vit_jax.model import vit
     from vit_jax.runtime import sharding
     from vit_jax.training import optim, steps
@@ -157,7 +157,7 @@ class JaxStep:
     self.batch = worker_batch(model_name, mode, batch)
     dims = dict(DIMS, num_layers=num_layers or DIMS["num_layers"])
     self.matmul_dtype = bench_matmul_dtype()
-    options = matmuls.xla_compiler_options(self.matmul_dtype)
+    options = xla_products.xla_compiler_options(self.matmul_dtype)
     self.model = vit.VisionTransformer(
         num_classes=NUM_CLASSES, patch_size=patch,
         matmul_dtype=self.matmul_dtype, **dims)
@@ -295,13 +295,13 @@ def dense_product_fn(library: str, product: str):
   for jax, oneDNN's products where vit_jax's model takes them
   (`kernels.cpu_gemm`, float32 on a CPU where it loads), else XLA's
   dot_general with its contracting dimensions, and the weight gradient as
-  vit_jax's Dense layers do (`matmuls.kernel_gradient`); for torch, its
+  vit_jax's Dense layers do (`xla_products.kernel_gradient`); for torch, its
   autodiff's transposes."""
   if library == "jax":
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     from jax import lax  # pylint: disable=import-outside-toplevel
-    from vit_jax.kernels import cpu_gemm, matmuls  # pylint: disable=import-outside-toplevel
+    from vit_jax.kernels import cpu_gemm, matmuls, xla_products  # pylint: disable=import-outside-toplevel
     if matmuls.resolve_implementation("auto", jnp.float32) == "onednn":
       return jax.jit({  # one group of rows, as on each device of the step
           "x.W": lambda a, b: cpu_gemm.rows_times(a[None], b)[0],
@@ -311,7 +311,7 @@ def dense_product_fn(library: str, product: str):
                                                                 b[None]),
       }[product])
     if product == "x^T.dy":
-      return jax.jit(matmuls.kernel_gradient)
+      return jax.jit(xla_products.kernel_gradient)
     lhs_dim, rhs_dim = {"x.W": (1, 0), "dy.W^T": (1, 1)}[product]
     return jax.jit(lambda a, b: lax.dot_general(
         a, b, (((lhs_dim,), (rhs_dim,)), ((), ()))))
@@ -327,9 +327,10 @@ def _bf16_gemm_rate(library: str, size: int) -> float:
   if library == "jax":
     import jax
     import jax.numpy as jnp
-    from vit_jax.kernels import matmuls
+    from vit_jax.kernels import xla_products
     fn = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32),
-                 compiler_options=matmuls.xla_compiler_options(jnp.bfloat16))
+                 compiler_options=xla_products.xla_compiler_options(
+                     jnp.bfloat16))
     a = jnp.asarray(a, jnp.bfloat16)
     run = lambda: fn(a, a).block_until_ready()
   else:

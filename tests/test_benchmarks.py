@@ -228,7 +228,7 @@ def test_step_ab_free_parts_take_out_only_their_part():
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   step_ab = _benchmark_module("step_ab")
-  from vit_jax.kernels import matmuls  # pylint: disable=import-outside-toplevel
+  from vit_jax.kernels import xla_products  # pylint: disable=import-outside-toplevel
   from vit_jax.model import vit  # pylint: disable=import-outside-toplevel
   # XLA's products and Flax's LayerNorm: the ones whose kernel gradients
   # and statistics step_ab can replace (it runs such variants so).
@@ -252,14 +252,14 @@ def test_step_ab_free_parts_take_out_only_their_part():
       assert shapes() == expected_shapes, part
     assert program() == whole
   with step_ab.free_part("kernel_gradients"):
-    assert matmuls.kernel_gradient is not step_ab.OUR_KERNEL_GRADIENT
+    assert xla_products.kernel_gradient is not step_ab.OUR_KERNEL_GRADIENT
     rng = np.random.default_rng(0)
     inputs, output_grad = rng.normal(size=(2, 40, 5)).astype(np.float32)
     np.testing.assert_allclose(
-        matmuls.kernel_gradient(inputs, output_grad),
+        xla_products.kernel_gradient(inputs, output_grad),
         inputs[:16].T @ output_grad[:16], rtol=1e-5)
     assert program() != whole
-  assert matmuls.kernel_gradient is step_ab.OUR_KERNEL_GRADIENT
+  assert xla_products.kernel_gradient is step_ab.OUR_KERNEL_GRADIENT
   with step_ab.free_part("none"):
     assert program() == whole
 

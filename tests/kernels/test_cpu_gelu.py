@@ -1,6 +1,6 @@
 """The MLP's tanh GELU of the first product plus its bias as a C++ kernel
 (`cpu_gelu`), and where
-`matmuls.gelu_dot_general` takes it; the model with it:
+`gelu_matmul.gelu_dot_general` takes it; the model with it:
 tests/kernels/test_cpu_gemm.py."""
 
 import jax
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from vit_jax.kernels import cpu_build, cpu_gelu, cpu_gemm, matmuls
+from vit_jax.kernels import cpu_build, cpu_gelu, cpu_gemm, gelu_matmul
 from vit_jax.runtime import sharding
 
 needs_kernels = pytest.mark.skipif(
@@ -116,7 +116,7 @@ def test_gelu_dot_general_takes_the_kernel_for_the_tanh_gelu(
   numbers = (((2,), (0,)), ((), ()))
 
   def product(x, b, w):
-    dot_general = matmuls.gelu_dot_general(b, approximate, operand_dtype,
+    dot_general = gelu_matmul.gelu_dot_general(b, approximate, operand_dtype,
                                            implementation)
     return dot_general(x, w, numbers)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from vit_jax.kernels import cpu_gemm, matmuls
+from vit_jax.kernels import cpu_gemm, gelu_matmul, matmuls
 from vit_jax.model import vit
 from vit_jax.runtime import sharding
 
@@ -69,7 +69,7 @@ def test_dense_products_match_xlas_values_and_gradients(
              ((), ()))
   for make in (lambda impl: functools.partial(
                    matmuls.dense_dot_general, implementation=impl),
-               lambda impl: matmuls.gelu_dot_general(bias,
+               lambda impl: gelu_matmul.gelu_dot_general(bias,
                                                      implementation=impl)):
     def loss(x, kernel, impl, make=make):
       y = make(impl)(x, kernel, numbers)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from vit_jax.kernels import cpu_build, cpu_transpose, matmuls
+from vit_jax.kernels import cpu_build, cpu_transpose, xla_products
 from vit_jax.runtime import sharding
 
 pytestmark = pytest.mark.skipif(
@@ -74,14 +74,14 @@ def test_bfloat16_kernel_gradient_goes_to_ynnpack_in_either_orientation(
   kernel, YNNPACK runs the product (where XLA has it), and the result is
   the float64 product of the rounded operands to float32 accumulation, on
   one device and with the rows split over the mesh."""
-  options = matmuls.xla_compiler_options(jnp.bfloat16)
+  options = xla_products.xla_compiler_options(jnp.bfloat16)
   if options is None:
     pytest.skip(f"XLA runs no bfloat16 products in YNNPACK here "
                 f"(jaxlib {jax.lib.__version__})")
   rng = np.random.default_rng(2)
   x = rng.normal(size=(96, depth)).astype(np.float32)
   dy = rng.normal(size=(96, width)).astype(np.float32)
-  gradient = jax.jit(lambda x, dy: matmuls.kernel_gradient(
+  gradient = jax.jit(lambda x, dy: xla_products.kernel_gradient(
       x, dy, operand_dtype=jnp.bfloat16), compiler_options=options)
   program = gradient.lower(x, dy).compile().as_text()
   assert "VitTransposeToBfloat16" in program and "__ynn_fusion" in program
@@ -100,5 +100,5 @@ def test_float32_kernel_gradient_keeps_xlas_product():
   """Only bfloat16 operands take the kernel: float32 ones keep Eigen's
   product, without a transpose."""
   x, dy = jnp.ones((64, 32)), jnp.ones((64, 48))
-  program = jax.jit(matmuls.kernel_gradient).lower(x, dy).as_text()
+  program = jax.jit(xla_products.kernel_gradient).lower(x, dy).as_text()
   assert "VitTransposeToBfloat16" not in program

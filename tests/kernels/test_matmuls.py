@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vit_jax.kernels import matmuls
+from vit_jax.kernels import gelu_matmul, matmuls, xla_products
 from vit_jax.model import blocks, vit
 from vit_jax.runtime import host
 
@@ -42,7 +42,7 @@ def test_kernel_gradient_is_inputs_transposed_times_output_grad(depth, width):
   rng = np.random.default_rng(0)
   inputs = rng.normal(size=(40, depth)).astype(np.float32)
   output_grad = rng.normal(size=(40, width)).astype(np.float32)
-  fn = jax.jit(matmuls.kernel_gradient)
+  fn = jax.jit(xla_products.kernel_gradient)
   got = fn(inputs, output_grad)
   assert got.shape == (depth, width)
   np.testing.assert_allclose(
@@ -166,7 +166,7 @@ def test_bfloat16_operands_give_float32_products_of_the_rounded_operands(
   weights = rng.normal(size=(96, 80)).astype(np.float32)  # loss = <w, y>
   bias = rng.normal(size=48).astype(np.float32)  # the GELU's input's
   dims = (((1,), (0,)), ((), ()))
-  dot = (matmuls.gelu_dot_general(bias, operand_dtype=jnp.bfloat16)
+  dot = (gelu_matmul.gelu_dot_general(bias, operand_dtype=jnp.bfloat16)
          if with_gelu
          else functools.partial(matmuls.dense_dot_general,
                                 operand_dtype=jnp.bfloat16))
@@ -227,13 +227,13 @@ def test_bfloat16_kernel_gradient_runs_in_ynnpack_in_one_group_or_several(
   takes. One group and a wide input once made XLA fold a transpose back
   into the product, which then failed to run ("Unsupported element type
   for DotThunk")."""
-  options = matmuls.xla_compiler_options(jnp.bfloat16)
+  options = xla_products.xla_compiler_options(jnp.bfloat16)
   if options is None:
     pytest.skip("YNNPACK's bfloat16 dots are XLA:CPU's (jaxlib 0.10-0.12)")
   rng = np.random.default_rng(rows + depth)
   x = rng.normal(size=(rows, depth)).astype(np.float32)
   dy = rng.normal(size=(rows, width)).astype(np.float32)
-  gradient = functools.partial(matmuls.kernel_gradient,
+  gradient = functools.partial(xla_products.kernel_gradient,
                                operand_dtype=jnp.bfloat16)
   compiled = jax.jit(gradient, compiler_options=options).lower(x, dy).compile()
   np.testing.assert_allclose(compiled(x, dy), _rounded(x).T @ _rounded(dy),
@@ -246,9 +246,9 @@ def test_bfloat16_kernel_gradient_runs_in_ynnpack_in_one_group_or_several(
 
 
 def test_xla_compiler_options_turn_on_ynnpack_dots_only_for_bfloat16():
-  options = matmuls.xla_compiler_options(jnp.bfloat16)
-  assert matmuls.xla_compiler_options(None) is None
-  assert matmuls.xla_compiler_options(jnp.float32) is None
+  options = xla_products.xla_compiler_options(jnp.bfloat16)
+  assert xla_products.xla_compiler_options(None) is None
+  assert xla_products.xla_compiler_options(jnp.float32) is None
   if jax.default_backend() != "cpu":
     assert options is None
     return
@@ -274,4 +274,4 @@ def test_cpu_has_bfloat16_dots_reads_the_cpu_flags(monkeypatch, tmp_path,
   cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Some CPU\n"
                      f"flags\t\t: {flags}\n\n")
   monkeypatch.setattr(host, "CPUINFO", str(cpuinfo))
-  assert matmuls.cpu_has_bfloat16_dots() is expected
+  assert xla_products.cpu_has_bfloat16_dots() is expected

@@ -120,9 +120,9 @@ def test_the_log_advises_on_matmul_dtype_by_the_cpus_dot_instructions(
   """bfloat16 products where the CPU has no bfloat16 dots get a warning
   (they run slower); float32 where it has them, a note naming the option;
   a suited setting, nothing."""
-  from vit_jax.kernels import matmuls  # pylint: disable=import-outside-toplevel
+  from vit_jax.kernels import xla_products  # pylint: disable=import-outside-toplevel
   from vit_jax.training import run  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(matmuls, "cpu_has_bfloat16_dots", lambda: has_dots)
+  monkeypatch.setattr(xla_products, "cpu_has_bfloat16_dots", lambda: has_dots)
   advice = run.matmul_dtype_advice(matmul_dtype)
   if says is None:
     assert advice is None

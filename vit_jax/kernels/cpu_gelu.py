@@ -16,7 +16,7 @@ own over the (rows, mlp_dim) activations (an add in the forward pass and a
 column sum in the backward pass, ~23 ms of a ViT-Ti/16 @224 train step
 as XLA's fusions).
 
-`matmuls.gelu_dot_general` calls it for float32 inputs on a CPU under
+`gelu_matmul.gelu_dot_general` calls it for float32 inputs on a CPU under
 differentiation (training), on (G, rows, mlp_dim) groups of rows (those of
 the oneDNN products where they run). Without differentiation XLA's GELU
 runs instead: it then fuses with the bias add before it into one pass,

@@ -2,7 +2,7 @@
 
 Why: a Dense layer's weight gradient x^T dy contracts both operands over
 their first (row) axis. YNNPACK, which runs XLA:CPU's bfloat16 products on
-the CPU's bfloat16 dot instructions (`matmuls.xla_compiler_options`), takes
+the CPU's bfloat16 dot instructions (`xla_products.xla_compiler_options`), takes
 only products whose left operand is contracted over its last axis, so XLA
 widened that product to float32 and ran it in Eigen: on an AMX CPU at 85
 GFLOP/s, against 300-370 for the layer's two other products in bfloat16

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from vit_jax.kernels import cpu_layer_norm, matmuls
+from vit_jax.kernels import cpu_layer_norm, gelu_matmul, matmuls
 from vit_jax.kernels.matmuls import per_token
 from vit_jax.model import options
 from vit_jax.model.self_attention import MultiHeadSelfAttention
@@ -48,7 +48,7 @@ class MlpBlock(nn.Module):
 
   Without dropout between them (rate 0, or at evaluation) the first
   Dense's bias add and the GELU run inside the second Dense's
-  `matmuls.gelu_dot_general`, which recomputes them in the backward pass
+  `gelu_matmul.gelu_dot_general`, which recomputes them in the backward pass
   instead of storing the activations (the same values, less memory) and,
   in the CPU's GELU kernel, adds the bias and sums its gradient in its own
   passes.
@@ -81,7 +81,7 @@ class MlpBlock(nn.Module):
     if deterministic or self.dropout_rate == 0.0:
       x, hidden_bias = dense(self.mlp_dim, "Dense_0",
                              module=DenseBiasDeferred)(x)
-      x = dense(out_dim, "Dense_1", matmuls.gelu_dot_general(
+      x = dense(out_dim, "Dense_1", gelu_matmul.gelu_dot_general(
           hidden_bias, self.approximate_gelu, self.matmul_dtype,
           products))(x)
     else:

@@ -114,7 +114,7 @@ class VisionTransformer(nn.Module):
       float32, forward and backward, while everything else (softmax,
       LayerNorm, GELU) computes in `dtype`. For float32 training on CPUs
       with bfloat16 dot instructions (AVX512_BF16, AMX), jitted with
-      `kernels.matmuls.xla_compiler_options(matmul_dtype)`: 1.1-1.2x faster
+      `kernels.xla_products.xla_compiler_options(matmul_dtype)`: 1.1-1.2x faster
       train steps on an AVX512_BF16 CPU, 1.7x on an AMX one
       (docs/performance.md, *bfloat16 products on a CPU*); slower on CPUs
       without them.

@@ -19,7 +19,7 @@ import optax
 from vit_jax import config as config_lib
 from vit_jax.checkpoints import orbax_checkpoints, pretrained
 from vit_jax.data import augment, datasets
-from vit_jax.kernels import cpu_gemm, matmuls
+from vit_jax.kernels import cpu_gemm, xla_products
 from vit_jax.model import options, variants, vit
 from vit_jax.runtime import sharding
 from vit_jax.training import (budget, budget_tracker, dispatch,
@@ -53,7 +53,7 @@ class Run:
     options = config_lib.train_step_options(
         self.config, self.mean, self.std, self.flip, ema_start_step,
         crops_on_host=self.dataset.crops_on_host)
-    options["compiler_options"] = matmuls.xla_compiler_options(
+    options["compiler_options"] = xla_products.xla_compiler_options(
         self.model.matmul_dtype)
     per_dispatch = self.config.steps_per_dispatch
     return dispatch.Phase(
@@ -113,7 +113,7 @@ def build_run(config: ml_collections.ConfigDict, workdir: str
   start_step = restored_step or 0
   eval_fn = steps.compile_eval_step(
       mesh, steps.shardings_of(state.params),
-      matmuls.xla_compiler_options(model.matmul_dtype),
+      xla_products.xla_compiler_options(model.matmul_dtype),
       **config_lib.eval_step_options(config, model.apply, mean, std))
   flip = dataset.flip if config.random_flip is None else config.random_flip
   run = Run(config, workdir, mesh, dataset, spec, mean, std, flip, model,
@@ -161,7 +161,7 @@ def matmul_dtype_advice(matmul_dtype: Optional[str]) -> Optional[str]:
   CPU; None where it does, or off a CPU."""
   if jax.default_backend() != "cpu":
     return None
-  has_dots = matmuls.cpu_has_bfloat16_dots()
+  has_dots = xla_products.cpu_has_bfloat16_dots()
   if matmul_dtype == "bfloat16" and not has_dots:
     return ("Warning: config.model.matmul_dtype='bfloat16' on a CPU without "
             "bfloat16 dot instructions (AVX512_BF16, AMX): the products "

@@ -257,7 +257,7 @@ def compile_train_step(mesh: jax.sharding.Mesh, state_sharding,
   train state's layout (`shardings_of(state)`), which the new state keeps;
   batches are split over every device; metrics come back replicated; the
   state is donated. compiler_options: XLA's per-program options
-  (`matmuls.xla_compiler_options` of the model's matmul_dtype).
+  (`xla_products.xla_compiler_options` of the model's matmul_dtype).
   step_options: `train_step`'s keyword arguments
   (`config.train_step_options` makes them from a config)."""
   batch = sharding.batch_sharded(mesh)

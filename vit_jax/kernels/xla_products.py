@@ -1,0 +1,149 @@
+"""The single products of the Dense layers' passes as XLA runs them.
+
+- `product`: a `dot_general` whose operands may be rounded to bfloat16,
+  accumulating in float32.
+- `kernel_gradient`: a kernel's gradient inputs^T @ output_grad, a
+  product over the rows (tokens), in the orientation XLA:CPU runs fastest;
+  with bfloat16 operands through YNNPACK, by a transposed copy that a C++
+  kernel makes (`cpu_transpose`).
+- `xla_compiler_options`: the per-program options that turn YNNPACK on for
+  bfloat16 products; `cpu_has_bfloat16_dots`: whether they pay here.
+
+`matmuls` (the Dense layers' `dot_general` and its backward pass) and
+`gelu_matmul` (the MLP's second Dense with its GELU) are made of these.
+"""
+
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from vit_jax.kernels import cpu_build, cpu_transpose
+from vit_jax.runtime import host
+
+_OVER_ROWS = (((0,), (0,)), ((), ()))  # contract the first axes: a^T b
+
+# The jaxlib releases whose YNNPACK ran bfloat16 products faster than their
+# float32 (docs/performance.md, *bfloat16 products on a CPU* for 0.10,
+# *Newer JAX releases* for 0.11 and 0.12).
+_YNNPACK_DOT_RELEASES = ("0.10", "0.11", "0.12")
+
+
+def xla_compiler_options(operand_dtype: Any) -> Optional[dict[str, str]]:
+  """The per-program XLA options that run the products of `operand_dtype`
+  fast, for `jax.jit(..., compiler_options=...)`; None if there are none.
+
+  bfloat16 on XLA:CPU (jaxlib 0.10-0.12): YNNPACK for each dot on its own. Why
+  per program: vit_jax turns YNNPACK off process-wide
+  (`runtime.host.default_xla_flags`), as it slows float32 steps; for
+  bfloat16 operands with float32 accumulation its dots use the CPU's
+  bfloat16 dot instructions (ViT-Ti's widths: 310-360 against 200
+  GFLOP/s in float32 on an AVX512_BF16 core pair), where XLA's own
+  (Eigen) widens them to float32.
+  """
+  if (operand_dtype is None or jnp.dtype(operand_dtype) != jnp.bfloat16
+      or jax.default_backend() != "cpu"
+      or host.jaxlib_release() not in _YNNPACK_DOT_RELEASES):
+    return None
+  return {"xla_cpu_experimental_ynn_fusion_type":
+          "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+
+def cpu_has_bfloat16_dots() -> bool:
+  """Whether this host's CPU has bfloat16 dot instructions (x86's
+  AVX512_BF16 or AMX-BF16, from /proc/cpuinfo), which bfloat16 operands
+  need to be faster than float32 ones."""
+  return bool(host.cpu_features()[1] & {"avx512_bf16", "amx_bf16"})
+
+
+def product(a: jax.Array, b: jax.Array, dimension_numbers, precision,
+            operand_dtype) -> jax.Array:
+  """lax.dot_general(a, b), with both operands rounded to operand_dtype
+  (if given) and the result accumulated in a's dtype."""
+  if operand_dtype is None:
+    return jax.lax.dot_general(a, b.astype(a.dtype), dimension_numbers,
+                               precision=precision)
+  return jax.lax.dot_general(a.astype(operand_dtype), b.astype(operand_dtype),
+                             dimension_numbers, precision=precision,
+                             preferred_element_type=a.dtype)
+
+
+def kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
+                    precision=None, operand_dtype=None) -> jax.Array:
+  """inputs^T @ output_grad: (K, N) from inputs (R, K), output_grad (R, N).
+
+  Why not one way for all shapes: XLA:CPU runs this product as an Eigen
+  contraction that packs one operand with strided reads, the one whose
+  columns become the result's rows. Making those rows the narrower side
+  packs the narrower operand: at R = 3152 on one core (K, N) = (192, 768)
+  took 9.0 ms this way and 11.5 ms the other, (192, 576) 6.8 against
+  7.7 ms. JAX's own transpose of a matmul computes output_grad^T @ inputs
+  and transposes it, whatever the shapes, and on a device per core XLA
+  kept that orientation: the ViT-Ti/16 @224 train step ran 1.4-2.4%
+  faster with this one. (Where the result must be row-major, e.g. a jitted
+  function's output, XLA turns a transposed product round itself.)
+  With bfloat16 operands where YNNPACK runs them, `_ynnpack_kernel_gradient`;
+  otherwise `xla_kernel_gradient`.
+  """
+  output_grad = output_grad.astype(inputs.dtype)
+  if _takes_ynnpack_kernel_gradient(inputs, operand_dtype):
+    return _ynnpack_kernel_gradient(inputs, output_grad, precision)
+  return xla_kernel_gradient(inputs, output_grad, precision, operand_dtype)
+
+
+def xla_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
+                        precision=None, operand_dtype=None) -> jax.Array:
+  """inputs^T @ output_grad as one XLA product, the narrower side as its
+  rows (`kernel_gradient` says why). XLA:CPU runs it in Eigen: bfloat16
+  operands are rounded, then widened to float32."""
+  output_grad = output_grad.astype(inputs.dtype)
+  if inputs.shape[1] <= output_grad.shape[1]:
+    return product(inputs, output_grad, _OVER_ROWS, precision,
+                   operand_dtype)
+  return product(output_grad, inputs, _OVER_ROWS, precision,
+                 operand_dtype).T
+
+
+def _takes_ynnpack_kernel_gradient(inputs: jax.Array, operand_dtype) -> bool:
+  """Whether `_ynnpack_kernel_gradient` runs this product: bfloat16
+  operands of float32 inputs, on a CPU whose XLA runs them in YNNPACK,
+  with the transpose kernel built."""
+  return (inputs.dtype == jnp.float32
+          and xla_compiler_options(operand_dtype) is not None
+          and cpu_build.problem() is None)
+
+
+def _ynnpack_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
+                             precision) -> jax.Array:
+  """inputs^T @ output_grad (float32) from bfloat16 operands, as a product
+  YNNPACK takes: one operand transposed by `cpu_transpose`, the narrower
+  where it can be (the wider would cost more to copy), contracted over its
+  last axis.
+
+  The rows go in G groups, one per device where the rows divide so, as a
+  batch axis of the product that is then summed: under a batch-split mesh
+  each device transposes and multiplies its own rows, and the sum over G
+  is the all-reduce that the gradient needs anyway. Before this, XLA
+  widened the product to float32 (docs/performance.md, *bfloat16 on an
+  AMX CPU*).
+  """
+  rows = inputs.shape[0]
+  groups = math.gcd(rows, jax.device_count())
+  # Transposing dy where it is the narrower makes the product the result's
+  # transpose. With one group nothing stands between that product and its
+  # transpose, and XLA folds the transpose into it, contracting the left
+  # operand over its first axis again: YNNPACK refuses that, and XLA:CPU's
+  # own dot has no bfloat16 kernel ("Unsupported element type for
+  # DotThunk": every one-device run). With several groups, their sum (the
+  # all-reduce under a split batch) stands between.
+  flip = groups > 1 and inputs.shape[1] > output_grad.shape[1]
+  left, right = (output_grad, inputs) if flip else (inputs, output_grad)
+  left_t = cpu_transpose.transpose_to_bfloat16(
+      left.reshape(groups, rows // groups, left.shape[1]))
+  right = right.reshape(groups, rows // groups, right.shape[1])
+  partial = jax.lax.dot_general(
+      left_t, right.astype(jnp.bfloat16), (((2,), (1,)), ((0,), (0,))),
+      precision=precision, preferred_element_type=jnp.float32)
+  result = partial.sum(axis=0)
+  return result.T if flip else result
