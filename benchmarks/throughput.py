@@ -61,6 +61,7 @@ kept in ~/.cache/vit_jax/torchinductor unless TORCHINDUCTOR_CACHE_DIR is set.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -471,7 +472,7 @@ def machine_load() -> str:
     return " ".join(f.read().split()[:3])
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--impl", default="vit_jax")
@@ -499,165 +500,238 @@ def main():
                       "PyTorch's CPU autocast")
   parser.add_argument("--growth", action="store_true",
                       help="also the cost-growth table (~4 more minutes)")
-  args = parser.parse_args()
+  return parser.parse_args(argv)
 
-  if args.worker:
-    if args.impl.startswith(("gemm-", "gemm1-")):
-      library = args.impl.split("-", 1)[1]
-      per_core = args.impl.startswith("gemm1-")
-      if per_core:  # XLA:CPU splits a dot over the cores whatever its flags
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1])
-      result = gemm_worker(library, per_core)
-    elif args.impl == "vit_jax":
-      from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
-      host.split_cpu_into_devices(  # before JAX starts
-          args.cpu_devices, (worker_batch(args.model, args.mode, args.batch),))
-      result = jax_worker(args.model, args.mode, args.steps, args.image_size,
-                          args.patch_size, args.batch, args.num_layers)
-    else:
-      result = torch_worker(args.impl, args.model, args.mode, args.steps)
-    print(json.dumps(result), flush=True)
-    os._exit(0)  # skips tearing down torch or JAX: up to ~1.3 s a worker
 
-  from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
-  env = worker_environment(args.fast_malloc, args.max_isa, args.matmul_dtype)
-  started = time.perf_counter()
-  loads = [machine_load()]
-  gemm = {lib: spawn([f"--impl=gemm-{lib}"], env) for lib in ("torch", "jax")}
-  per_core = {lib: spawn([f"--impl=gemm1-{lib}"], per_core_environment(env))
-              for lib in ("torch", "jax")}
+def run_worker(args: argparse.Namespace) -> None:
+  """A worker's measurement (`spawn`), printed as one JSON line; exits."""
+  if args.impl.startswith(("gemm-", "gemm1-")):
+    library = args.impl.split("-", 1)[1]
+    per_core = args.impl.startswith("gemm1-")
+    if per_core:  # XLA:CPU splits a dot over the cores whatever its flags
+      os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1])
+    result = gemm_worker(library, per_core)
+  elif args.impl == "vit_jax":
+    from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
+    host.split_cpu_into_devices(  # before JAX starts
+        args.cpu_devices, (worker_batch(args.model, args.mode, args.batch),))
+    result = jax_worker(args.model, args.mode, args.steps, args.image_size,
+                        args.patch_size, args.batch, args.num_layers)
+  else:
+    result = torch_worker(args.impl, args.model, args.mode, args.steps)
+  print(json.dumps(result), flush=True)
+  os._exit(0)  # skips tearing down torch or JAX: up to ~1.3 s a worker
 
+
+WORKLOADS = [(model, mode) for model in MODELS for mode in ("train", "infer")]
+
+
+@dataclasses.dataclass
+class Race:
+  """What one run measured. results: (model, mode, impl) -> the worker
+  results of each round; gemm / per_core: library -> GEMM rates (GFLOP/s)
+  on every core / on one (`gemm_worker`), the best of two workers; loads:
+  the load average at the start, after round 1 and at the end."""
+  results: dict
+  gemm: dict
+  per_core: dict
+  loads: list
+
+  def rate(self, key) -> float:
+    """Mean images/s of a (model, mode, impl)'s rounds."""
+    return statistics.mean(r["images_per_s"] for r in self.results[key])
+
+  def fastest_torch(self, model: str, mode: str) -> float:
+    return max(self.rate((model, mode, impl)) for impl in TORCH_IMPLS)
+
+
+def _best_gemm(first: dict, second: dict) -> dict:
+  return {shape: max(value, second[shape]) for shape, value in first.items()}
+
+
+def run_race(args: argparse.Namespace, env: dict) -> Race:
+  """GEMM workers, round 1 (every implementation), round 2 (vit_jax and
+  the fastest PyTorch variant, the other way round), GEMM workers again."""
   def worker_args(impl: str, model: str, mode: str) -> list[str]:
     cpu_devices = [f"--cpu_devices={args.cpu_devices}"] * (impl == "vit_jax")
     return [f"--impl={impl}", f"--model={model}", f"--mode={mode}",
             f"--steps={args.steps}", *cpu_devices]
 
-  workloads = [(m, mode) for m in MODELS for mode in ("train", "infer")]
-  results = {}  # (model, mode, impl) -> list of results
-  for model, mode in workloads:  # round 1: everyone
+  gemm_runs = lambda: (
+      {lib: spawn([f"--impl=gemm-{lib}"], env) for lib in ("torch", "jax")},
+      {lib: spawn([f"--impl=gemm1-{lib}"], per_core_environment(env))
+       for lib in ("torch", "jax")})
+  loads = [machine_load()]
+  gemm, per_core = gemm_runs()
+  results = {}
+  for model, mode in WORKLOADS:
     for impl in ("vit_jax",) + TORCH_IMPLS:
-      results.setdefault((model, mode, impl), []).append(
-          spawn(worker_args(impl, model, mode), env))
+      results[model, mode, impl] = [spawn(worker_args(impl, model, mode), env)]
   loads.append(machine_load())
-  fastest = {}
-  for model, mode in workloads:  # round 2: vit_jax vs the fastest PyTorch
-    fastest[model, mode] = max(
-        TORCH_IMPLS,
-        key=lambda impl: results[model, mode, impl][0]["images_per_s"])
-    for impl in (fastest[model, mode], "vit_jax"):
+  for model, mode in WORKLOADS:
+    fastest = max(TORCH_IMPLS, key=lambda impl, m=model, o=mode:
+                  results[m, o, impl][0]["images_per_s"])
+    for impl in (fastest, "vit_jax"):
       results[model, mode, impl].append(
           spawn(worker_args(impl, model, mode), env))
   loads.append(machine_load())
-  for lib in gemm:  # again at the end; the best of the two counts
-    again = spawn([f"--impl=gemm-{lib}"], env)
-    gemm[lib] = {shape: max(value, again[shape])
-                 for shape, value in gemm[lib].items()}
-    again = spawn([f"--impl=gemm1-{lib}"], per_core_environment(env))
-    per_core[lib] = {shape: max(value, again[shape])
-                     for shape, value in per_core[lib].items()}
-  gemm_rate = gemm["torch"]["2048x2048x2048"]
-  if args.matmul_dtype == "bfloat16":  # the fraction of the bf16 rate
-    gemm_rate = gemm["torch"]["bf16 2048x2048x2048"]
+  gemm_again, per_core_again = gemm_runs()
+  return Race(results,
+              {lib: _best_gemm(gemm[lib], gemm_again[lib]) for lib in gemm},
+              {lib: _best_gemm(per_core[lib], per_core_again[lib])
+               for lib in per_core}, loads)
 
-  rate = lambda key: statistics.mean(r["images_per_s"] for r in results[key])
 
-  def compile_cell(key) -> str:
-    """Mean compile seconds; for vit_jax, of them Python's trace + lower."""
-    mean = lambda name: statistics.mean(r[name] for r in results[key])
-    trace = (f" (trace {mean('trace_s'):.1f})"
-             if "trace_s" in results[key][0] else "")
-    return f"{mean('compile_s'):.1f}{trace}"
+def command_line(args: argparse.Namespace) -> str:
+  """The command that reruns this race."""
+  options = [
+      "" if args.fast_malloc else " --no-fast_malloc",
+      "" if args.cpu_devices == -1 else f" --cpu_devices={args.cpu_devices}",
+      "" if args.steps == 5 else f" --steps={args.steps}",
+      " --max_isa=avx2" if args.max_isa == "avx2" else "",
+      " --matmul_dtype=bfloat16" if args.matmul_dtype == "bfloat16" else "",
+      " --growth" if args.growth else ""]
+  return "python benchmarks/throughput.py" + "".join(options)
 
-  devices_flag = ("" if args.cpu_devices == -1 else
-                  f" --cpu_devices={args.cpu_devices}")
-  print(f"\nCommand: python benchmarks/throughput.py"
-        f"{'' if args.fast_malloc else ' --no-fast_malloc'}"
-        f"{devices_flag}"
-        f"{'' if args.steps == 5 else f' --steps={args.steps}'}"
-        f"{' --max_isa=avx2' if args.max_isa == 'avx2' else ''}"
-        f"{' --matmul_dtype=bfloat16' if args.matmul_dtype == 'bfloat16' else ''}"
-        f"{' --growth' if args.growth else ''}")
-  cpu_model, isa = cpu_description()
+
+def setting_lines(args: argparse.Namespace, env: dict, race: Race,
+                  cpu_model: str, isa: list[str], cores: int) -> list[str]:
+  """What the race ran on and with: the CPU, the GEMM rates, the flags."""
+  gemm, dense = race.gemm, {lib: dense_product_rates(rates)
+                            for lib, rates in race.per_core.items()}
   # The cores this process may use: `taskset -c 0,1` races two cores of a
   # larger CPU, as vit_jax's devices and PyTorch's threads both follow the
   # affinity mask.
-  print(f"CPU: {cpu_model}, {host.cpu_cores()} of {os.cpu_count()} cores; "
-        f"ISA: {' '.join(isa)}")
+  lines = [f"CPU: {cpu_model}, {cores} of {os.cpu_count()} cores; "
+           f"ISA: {' '.join(isa)}"]
   if args.max_isa == "avx2":
-    cpu_model += " capped at AVX2"
-    print("Every library capped at AVX2 + FMA: " + " ".join(
-        f"{k}={v}" for k, v in AVX2_ONLY_ENVIRONMENT.items()) +
-          " XLA_FLAGS+=--xla_cpu_max_isa=AVX2")
+    lines.append("Every library capped at AVX2 + FMA: " + " ".join(
+        f"{k}={v}" for k, v in AVX2_ONLY_ENVIRONMENT.items())
+                 + " XLA_FLAGS+=--xla_cpu_max_isa=AVX2")
   if args.matmul_dtype == "bfloat16":
-    cpu_model += ", bfloat16 products vs torch autocast"
-    print(f"GEMM bf16 GFLOP/s, 2048^3 (the % GEMM column's): torch "
-          f"{gemm['torch']['bf16 2048x2048x2048']:.0f}, jax "
-          f"{gemm['jax']['bf16 2048x2048x2048']:.0f}")
-  print(f"GEMM fp32 GFLOP/s, best of 2x10 (2048^3 | 8320x192x768; jax with "
-        f"vit_jax's flags): torch "
-        f"{gemm['torch']['2048x2048x2048']:.0f} | "
-        f"{gemm['torch']['8320x192x768']:.0f}, jax "
-        f"{gemm['jax']['2048x2048x2048']:.0f} | "
-        f"{gemm['jax']['8320x192x768']:.0f}")
-  dense = {lib: dense_product_rates(per_core[lib]) for lib in per_core}
-  print(f"A Dense layer's products at ViT-Ti's widths, {DENSE_ROWS} rows, "
-        f"one core each as the train step runs them (GFLOP/s over "
-        f"{len(DENSE_SHAPES)} widths, jax / torch): " +
-        ", ".join(f"{product} {dense['jax'][product]:.0f} / "
-                  f"{dense['torch'][product]:.0f} "
-                  f"({dense['jax'][product] / dense['torch'][product]:.2f})"
-                  for product in DENSE_PRODUCTS))
-  print(f"vit_jax's XLA flags (vit_jax/runtime/host.py): "
-        f"{results[workloads[0] + ('vit_jax',)][0]['xla_flags']}")
-  print(f"malloc, every worker: GLIBC_TUNABLES={env.get('GLIBC_TUNABLES', '')}"
-        f" LD_PRELOAD={env.get('LD_PRELOAD', '')}")
-  print(f"load average (1/5/15 min) at start / after round 1 / end: "
-        f"{' ; '.join(loads)}\n")
+    lines.append(f"GEMM bf16 GFLOP/s, 2048^3 (the % GEMM column's): torch "
+                 f"{gemm['torch']['bf16 2048x2048x2048']:.0f}, jax "
+                 f"{gemm['jax']['bf16 2048x2048x2048']:.0f}")
+  lines.append(
+      f"GEMM fp32 GFLOP/s, best of 2x10 (2048^3 | 8320x192x768; jax with "
+      f"vit_jax's flags): torch {gemm['torch']['2048x2048x2048']:.0f} | "
+      f"{gemm['torch']['8320x192x768']:.0f}, jax "
+      f"{gemm['jax']['2048x2048x2048']:.0f} | "
+      f"{gemm['jax']['8320x192x768']:.0f}")
+  lines.append(
+      f"A Dense layer's products at ViT-Ti's widths, {DENSE_ROWS} rows, "
+      f"one core each as the train step runs them (GFLOP/s over "
+      f"{len(DENSE_SHAPES)} widths, jax / torch): " + ", ".join(
+          f"{product} {dense['jax'][product]:.0f} / "
+          f"{dense['torch'][product]:.0f} "
+          f"({dense['jax'][product] / dense['torch'][product]:.2f})"
+          for product in DENSE_PRODUCTS))
+  first_jax = race.results[WORKLOADS[0] + ("vit_jax",)][0]
+  lines.append(f"vit_jax's XLA flags (vit_jax/runtime/host.py): "
+               f"{first_jax['xla_flags']}")
+  lines.append(f"malloc, every worker: GLIBC_TUNABLES="
+               f"{env.get('GLIBC_TUNABLES', '')} "
+               f"LD_PRELOAD={env.get('LD_PRELOAD', '')}")
+  lines.append(f"load average (1/5/15 min) at start / after round 1 / end: "
+               f"{' ; '.join(race.loads)}")
+  return lines
+
+
+def _compile_cell(runs: list[dict]) -> str:
+  """Mean compile seconds; for vit_jax, of them Python's trace + lower."""
+  mean = lambda name: statistics.mean(r[name] for r in runs)
+  trace = f" (trace {mean('trace_s'):.1f})" if "trace_s" in runs[0] else ""
+  return f"{mean('compile_s'):.1f}{trace}"
+
+
+def results_table(race: Race, gemm_rate: float) -> list[str]:
+  """The race's table: each workload's implementations, images/s, GFLOP/s
+  and its fraction of `gemm_rate`, the ratio to the fastest PyTorch,
+  compile seconds and peak RSS."""
   header = ("| workload | impl | images/s | GFLOP/s | % GEMM | vs fastest "
             "PyTorch | compile s | peak RSS MiB |")
-  print(header)
-  print("|" + "---|" * (header.count("|") - 1))
-  ratios, gemm_fractions, compile_s = {"train": [], "infer": []}, [], []
-  for model, mode in workloads:
-    flops = results[model, mode, "vit_jax"][0]["flops_per_image"]
-    reference = max(rate((model, mode, impl)) for impl in TORCH_IMPLS)
+  lines = [header, "|" + "---|" * (header.count("|") - 1)]
+  for model, mode in WORKLOADS:
+    flops = race.results[model, mode, "vit_jax"][0]["flops_per_image"]
     for impl in ("vit_jax",) + TORCH_IMPLS:
       key = (model, mode, impl)
-      gflops = rate(key) * flops / 1e9
-      runs = len(results[key])
-      print(f"| {model} {mode} | {impl}{'' if runs == 1 else f' ({runs} rounds)'}"
-            f" | {rate(key):.1f} | {gflops:.0f} | {100 * gflops / gemm_rate:.0f}"
-            f" | {rate(key) / reference:.2f} | {compile_cell(key)} | "
-            f"{max(r['peak_rss_mib'] for r in results[key]):.0f} |")
-    ratios[mode].append(rate((model, mode, "vit_jax")) / reference)
-    if mode == "train":
-      gemm_fractions.append(rate((model, mode, "vit_jax")) * flops / 1e9
-                            / gemm_rate)
-      compile_s.append(max(r["compile_s"]
-                           for r in results[model, mode, "vit_jax"]))
+      runs = race.results[key]
+      gflops = race.rate(key) * flops / 1e9
+      rounds = "" if len(runs) == 1 else f" ({len(runs)} rounds)"
+      lines.append(
+          f"| {model} {mode} | {impl}{rounds} | {race.rate(key):.1f} | "
+          f"{gflops:.0f} | {100 * gflops / gemm_rate:.0f} | "
+          f"{race.rate(key) / race.fastest_torch(model, mode):.2f} | "
+          f"{_compile_cell(runs)} | "
+          f"{max(r['peak_rss_mib'] for r in runs):.0f} |")
+  return lines
 
+
+def summary_line(race: Race, gemm_rate: float, cpu_model: str) -> str:
+  """The line scripts read: the worst ratio to the fastest PyTorch over
+  the models for training and for inference, the worst training GEMM
+  fraction and the slowest vit_jax train-step compile."""
+  ratios = {mode: min(race.rate((model, mode, "vit_jax"))
+                      / race.fastest_torch(model, mode)
+                      for model, workload_mode in WORKLOADS
+                      if workload_mode == mode)
+            for mode in ("train", "infer")}
+  trains = [(model, "train", "vit_jax") for model in MODELS]
+  gemm_fraction = min(race.rate(key) * race.results[key][0]["flops_per_image"]
+                      / 1e9 / gemm_rate for key in trains)
+  compile_s = max(r["compile_s"] for key in trains
+                  for r in race.results[key])
+  return (f"summary: train_vs_timm={ratios['train']:.2f} "
+          f"infer_vs_timm={ratios['infer']:.2f} "
+          f"train_gemm_fraction={gemm_fraction:.2f} "
+          f"compile_s={compile_s:.1f} cpu=\"{cpu_model}\"")
+
+
+def growth_lines(env: dict) -> list[str]:
+  """vit_jax's train step on one device at growing image sizes and
+  depths: images/s, GFLOP/image, XLA's scratch and peak RSS."""
+  lines = ["vit_jax cost growth (train step on one device, batch 2 at each "
+           "image size / batch 32 at each depth; XLA temp = the step's "
+           "scratch memory):",
+           "| setting | tokens | images/s | GFLOP/image | XLA temp MiB | "
+           "peak RSS MiB |", "|---|---|---|---|---|---|"]
+  settings = [(f"{size} px, 12 layers", size, 2, 12)
+              for size in (32, 64, 128, 224)]
+  settings += [(f"32 px, {depth} layers", 32, 32, depth) for depth in (6, 24)]
+  for label, size, batch, depth in settings:
+    r = spawn(["--impl=vit_jax", "--mode=train", "--steps=1",
+               "--cpu_devices=0", f"--image_size={size}", "--patch_size=4",
+               f"--batch={batch}", f"--num_layers={depth}"], env)
+    lines.append(f"| {label} | {(size // 4) ** 2 + 1} | "
+                 f"{r['images_per_s']:.1f} | "
+                 f"{r['flops_per_image'] / 1e9:.2f} | "
+                 f"{r['xla_temp_mib']:.0f} | {r['peak_rss_mib']:.0f} |")
+  return lines
+
+
+def main():
+  args = parse_args()
+  if args.worker:
+    run_worker(args)
+  from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
+  env = worker_environment(args.fast_malloc, args.max_isa, args.matmul_dtype)
+  started = time.perf_counter()
+  race = run_race(args, env)
+  cpu_model, isa = cpu_description()
+  print(f"\nCommand: {command_line(args)}")
+  print("\n".join(setting_lines(args, env, race, cpu_model, isa,
+                                host.cpu_cores())) + "\n")
+  gemm_rate = race.gemm["torch"]["2048x2048x2048"]
+  if args.max_isa == "avx2":
+    cpu_model += " capped at AVX2"
+  if args.matmul_dtype == "bfloat16":  # the fraction of the bf16 rate
+    gemm_rate = race.gemm["torch"]["bf16 2048x2048x2048"]
+    cpu_model += ", bfloat16 products vs torch autocast"
+  print("\n".join(results_table(race, gemm_rate)))
   if args.growth:
-    print("\nvit_jax cost growth (train step on one device, batch 2 at each "
-          "image size / batch 32 at each depth; XLA temp = the step's scratch "
-          "memory):")
-    print("| setting | tokens | images/s | GFLOP/image | XLA temp MiB | peak "
-          "RSS MiB |")
-    print("|---|---|---|---|---|---|")
-    settings = [(f"{size} px, 12 layers", size, 2, 12)
-                for size in (32, 64, 128, 224)]
-    settings += [(f"32 px, {depth} layers", 32, 32, depth) for depth in (6, 24)]
-    for label, size, batch, depth in settings:
-      r = spawn(["--impl=vit_jax", "--mode=train", "--steps=1",
-                 "--cpu_devices=0", f"--image_size={size}", "--patch_size=4",
-                 f"--batch={batch}", f"--num_layers={depth}"], env)
-      print(f"| {label} | {(size // 4) ** 2 + 1} | {r['images_per_s']:.1f} | "
-            f"{r['flops_per_image'] / 1e9:.2f} | {r['xla_temp_mib']:.0f} | "
-            f"{r['peak_rss_mib']:.0f} |")
+    print("\n" + "\n".join(growth_lines(env)))
   print(f"\nwall time {(time.perf_counter() - started) / 60:.1f} min")
-  print(f"summary: train_vs_timm={min(ratios['train']):.2f} "
-        f"infer_vs_timm={min(ratios['infer']):.2f} "
-        f"train_gemm_fraction={min(gemm_fractions):.2f} "
-        f"compile_s={max(compile_s):.1f} cpu=\"{cpu_model}\"")
+  print(summary_line(race, gemm_rate, cpu_model))
 
 
 if __name__ == "__main__":

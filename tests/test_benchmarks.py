@@ -488,6 +488,58 @@ def test_throughput_benchmark_names_the_cpu_and_its_isa():
   assert isa and set(isa) <= flags
 
 
+def test_throughput_summary_takes_the_worst_workload_against_the_fastest_torch():
+  """The table and summary line of a race, from made-up worker results:
+  each ratio is vit_jax's mean over its rounds against the fastest
+  PyTorch variant's mean, the summary the worst model's, the GEMM fraction
+  the worst training GFLOP/s over the rate, compile the slowest round."""
+  throughput = _benchmark_module("throughput")
+  worker = lambda rate, **extra: {"images_per_s": rate, "compile_s": 1.0,
+                                  "peak_rss_mib": 100.0, **extra}
+  speeds = {("vit_tiny_cifar", "train"): (100.0, 60.0, 80.0),
+            ("vit_tiny_cifar", "infer"): (300.0, 200.0, 250.0),
+            ("ViT-Ti/16@224", "train"): (30.0, 25.0, 20.0),
+            ("ViT-Ti/16@224", "infer"): (90.0, 50.0, 100.0)}
+  results = {}
+  for (model, mode), (jax_rate, timm, tv_compile) in speeds.items():
+    flops = 1e9 if model == "vit_tiny_cifar" else 4e9
+    results[model, mode, "vit_jax"] = [
+        worker(jax_rate * 0.9, flops_per_image=flops, compile_s=2.0),
+        worker(jax_rate * 1.1, flops_per_image=flops, compile_s=3.5)]
+    results[model, mode, "timm"] = [worker(timm)]
+    results[model, mode, "timm+compile"] = [worker(timm * 0.5)]
+    results[model, mode, "torchvision"] = [worker(timm * 0.5)]
+    results[model, mode, "torchvision+compile"] = [worker(tv_compile),
+                                                   worker(tv_compile)]
+  race = throughput.Race(results, {}, {}, [])
+  rows = throughput.results_table(race, gemm_rate=200.0)
+  assert len(rows) == 2 + 4 * 5
+  cifar_train = next(row for row in rows
+                     if row.startswith("| vit_tiny_cifar train | vit_jax"))
+  # 100 images/s against torchvision + compile's 80; 100 GFLOP/s of 200.
+  assert cifar_train.split(" | ")[1:6] == [
+      "vit_jax (2 rounds)", "100.0", "100", "50", "1.25"]
+  summary = throughput.summary_line(race, 200.0, "Some CPU")
+  # train: min(100/80, 30/25); infer: min(300/250, 90/100); the GEMM
+  # fraction: min(100 * 1, 30 * 4) GFLOP/s over 200.
+  assert summary == ('summary: train_vs_timm=1.20 infer_vs_timm=0.90 '
+                     'train_gemm_fraction=0.50 compile_s=3.5 cpu="Some CPU"')
+  assert re.fullmatch(r'summary: train_vs_timm=\d+\.\d\d infer_vs_timm='
+                      r'\d+\.\d\d train_gemm_fraction=\d+\.\d\d '
+                      r'compile_s=\d+\.\d cpu="[^"]+"', summary)
+
+
+def test_throughput_command_line_reruns_the_race():
+  """The printed command is the one that reruns it, options included."""
+  throughput = _benchmark_module("throughput")
+  assert (throughput.command_line(throughput.parse_args([]))
+          == "python benchmarks/throughput.py")
+  argv = ["--no-fast_malloc", "--cpu_devices=0", "--steps=3",
+          "--max_isa=avx2", "--matmul_dtype=bfloat16", "--growth"]
+  assert (throughput.command_line(throughput.parse_args(argv))
+          == "python benchmarks/throughput.py " + " ".join(argv))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["train", "infer"])
 def test_gpu_flags_benchmark_compares_its_variants(mode):
