@@ -6,10 +6,10 @@ Weight decay skips biases, norms and embeddings (a mask); layer-wise
 learning-rate decay (config.layer_decay < 1) scales each block's updates by
 layer_decay ** (depth from the top), for fine-tuning; with
 config.trainable="head" every other parameter is frozen (no update, no
-optimizer state).
+optimizer state). AdamW is `training.adamw`'s: optax.adamw's values,
+quicker to trace, one C++ update on a CPU.
 """
 
-import functools
 import re
 
 import jax
@@ -18,8 +18,8 @@ import ml_collections
 import optax
 from flax import traverse_util
 
-from vit_jax.kernels import cpu_adamw
 from vit_jax.runtime import sharding
+from vit_jax.training.adamw import adamw
 
 # Parameters that get no weight decay unless config.decay_all_params: biases,
 # LayerNorm scales and the learned embeddings (class token, positions).
@@ -173,96 +173,6 @@ def clip_by_global_norm(max_norm: float, sharded: bool = False
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(),
                                       update)
-
-
-def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9,
-          b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
-          mask=None, implementation: str = "auto"
-          ) -> optax.GradientTransformation:
-  """`optax.adamw`, the same state and values, traced once per shape, or
-  in one C++ kernel call on a CPU.
-
-  Why: optax traces ~20 `jax.numpy` operations for every parameter, each a
-  small jit of its own to trace and inline; for vit_tiny_cifar's 152
-  parameter arrays that was most of the train step's tracing. Here one
-  jitted function does a parameter's whole update (moments, bias
-  correction, decay, learning rate), traced once for each shape and decay
-  flag: tracing + lowering that step took 1.41-1.74 s with optax.adamw and
-  0.97-1.08 s with this. The arithmetic is optax's, in its order
-  (tests/training/test_train.py compares bit for bit); the state is
-  optax.adamw's, so checkpoints restore with either.
-
-  With implementation "auto" (or "cpu_kernel"), float32 parameters on a
-  CPU are updated by `kernels.cpu_adamw` instead, a few leaves to a call
-  (the same arithmetic up to the rounding of fused multiply-adds): XLA
-  compiled the per-parameter updates 1.2-2.5 s slower on a 2-core AMD
-  EPYC. "xla" keeps the per-parameter updates everywhere; "auto" does
-  elsewhere. `grad_scale` (an extra argument of the update, which
-  `clip_by_global_norm_into` passes) multiplies the gradients first.
-
-  learning_rate: a float or a schedule of the step count; weight_decay: a
-  float; mask: a pytree of bools or a function of the params giving one
-  (True: decayed); implementation: one of cpu_adamw.IMPLEMENTATIONS.
-  """
-  reference = optax.adamw(learning_rate, b1, b2, eps,
-                          weight_decay=weight_decay, mask=mask)
-
-  @functools.partial(jax.jit, static_argnames="decayed")
-  def leaf_update(grad, mu, nu, param, correction1, correction2, step_size,
-                  *, decayed):
-    mu = (1 - b1) * grad + b1 * mu
-    nu = (1 - b2) * grad ** 2 + b2 * nu
-    update = ((mu / correction1.astype(mu.dtype))
-              / (jnp.sqrt(nu / correction2.astype(nu.dtype)) + eps))
-    if decayed and weight_decay:
-      update = update + weight_decay * param
-    return jnp.asarray(step_size, grad.dtype) * update, mu, nu
-
-  def update_fn(grads, state, params=None, grad_scale=None):
-    if params is None:
-      raise ValueError(optax.NO_PARAMS_MSG)
-    adam, decay_state, rate_state = state
-    count = optax.safe_increment(adam.count)
-    if callable(learning_rate):
-      step_size = -1 * learning_rate(rate_state.count)
-      rate_state = rate_state._replace(
-          count=optax.safe_increment(rate_state.count))
-    else:
-      step_size = -1 * learning_rate
-    # Under optax.multi_transform, the parameters of other groups are
-    # MaskedNodes (no leaves), and a mask function gives a flag for each.
-    masked = lambda x: isinstance(x, optax.MaskedNode)
-    treedef = jax.tree.structure(params, is_leaf=masked)
-    decayed = mask(params) if callable(mask) else mask
-    flags = ([True] * treedef.num_leaves if decayed is None
-             else treedef.flatten_up_to(decayed))
-    corrections = 1 - b1 ** count, 1 - b2 ** count
-    flat = [treedef.flatten_up_to(tree)
-            for tree in (grads, adam.mu, adam.nu, params)]
-    live = [i for i, param in enumerate(flat[3]) if not masked(param)]
-    if cpu_adamw.resolve_implementation(
-        implementation, [flat[3][i] for i in live]) == "cpu_kernel":
-      leaves = [(param,) * 3 for param in flat[3]]  # masked ones stay so
-      results = cpu_adamw.update(
-          *([part[i] for i in live] for part in flat),
-          [bool(flags[i]) and bool(weight_decay) for i in live],
-          *corrections, step_size, 1.0 if grad_scale is None else grad_scale,
-          b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-      for i, leaf in zip(live, zip(*results)):
-        leaves[i] = leaf
-    else:
-      if grad_scale is not None:  # XLA fuses it into each leaf's update
-        flat[0] = [g if masked(g) else g * jnp.asarray(grad_scale, g.dtype)
-                   for g in flat[0]]
-      leaves = [(param,) * 3 if masked(param) else
-                leaf_update(grad, mu, nu, param, *corrections, step_size,
-                            decayed=bool(flag))
-                for grad, mu, nu, param, flag in zip(*flat, flags)]
-    updates, mu, nu = (treedef.unflatten(part) for part in zip(*leaves))
-    adam = adam._replace(count=count, mu=mu, nu=nu)
-    return updates, (adam, decay_state, rate_state)
-
-  return optax.GradientTransformationExtraArgs(reference.init, update_fn)
 
 
 def clip_by_global_norm_into(inner: optax.GradientTransformation,
