@@ -50,11 +50,17 @@ def xla_compiler_options(operand_dtype: Any) -> Optional[dict[str, str]]:
           "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
+# /proc/cpuinfo's names for bfloat16 dot instructions: x86's AVX512_BF16
+# and AMX-BF16, Arm's BF16 extension (BFDOT, BFMMLA).
+_BFLOAT16_DOT_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
 def cpu_has_bfloat16_dots() -> bool:
   """Whether this host's CPU has bfloat16 dot instructions (x86's
-  AVX512_BF16 or AMX-BF16, from /proc/cpuinfo), which bfloat16 operands
-  need to be faster than float32 ones."""
-  return bool(host.cpu_features()[1] & {"avx512_bf16", "amx_bf16"})
+  AVX512_BF16 or AMX-BF16, Arm's BF16; from /proc/cpuinfo), which
+  bfloat16 operands need to be faster than float32 ones. Measured on x86
+  only (docs/performance.md, *bfloat16 products on a CPU*)."""
+  return bool(host.cpu_features()[1] & _BFLOAT16_DOT_FLAGS)
 
 
 def product(a: jax.Array, b: jax.Array, dimension_numbers, precision,

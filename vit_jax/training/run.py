@@ -9,6 +9,7 @@ learning-rate schedule. `loop.py` trains with them.
 
 import dataclasses
 import os
+import platform
 from typing import Any, Callable, Optional
 
 import jax
@@ -158,16 +159,18 @@ def _log_model(config, spec: config_lib.RunSpec, mesh, state,
 
 def matmul_dtype_advice(matmul_dtype: Optional[str]) -> Optional[str]:
   """A line for the log where config.model.matmul_dtype does not suit this
-  CPU; None where it does, or off a CPU."""
+  CPU; None where it does, or off a CPU. The note that recommends
+  bfloat16 is for x86 CPUs only, where it was measured."""
   if jax.default_backend() != "cpu":
     return None
   has_dots = xla_products.cpu_has_bfloat16_dots()
   if matmul_dtype == "bfloat16" and not has_dots:
     return ("Warning: config.model.matmul_dtype='bfloat16' on a CPU without "
-            "bfloat16 dot instructions (AVX512_BF16, AMX): the products "
-            "widen to float32 and run slower than float32 ones. Unset it "
-            "here.")
-  if matmul_dtype is None and has_dots:
+            "bfloat16 dot instructions (AVX512_BF16, AMX, Arm's BF16): the "
+            "products widen to float32 and run slower than float32 ones. "
+            "Unset it here.")
+  if (matmul_dtype is None and has_dots
+      and platform.machine().lower() in ("x86_64", "amd64")):
     return ("Note: this CPU has bfloat16 dot instructions (AVX512_BF16, "
             "AMX). --config.model.matmul_dtype=bfloat16 rounds the encoder's "
             "matmul operands to bfloat16 (float32 sums and activations) and "
