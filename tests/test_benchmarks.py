@@ -488,7 +488,7 @@ def test_throughput_benchmark_names_the_cpu_and_its_isa():
   assert isa and set(isa) <= flags
 
 
-def test_throughput_summary_takes_the_worst_workload_against_the_fastest_torch():
+def test_throughput_summary_takes_the_worst_workload_against_fastest_torch():
   """The table and summary line of a race, from made-up worker results:
   each ratio is vit_jax's mean over its rounds against the fastest
   PyTorch variant's mean, the summary the worst model's, the GEMM fraction

@@ -3,6 +3,8 @@
 `gelu_matmul.gelu_dot_general` takes it; the model with it:
 tests/kernels/test_cpu_gemm.py."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,8 +118,8 @@ def test_gelu_dot_general_takes_the_kernel_for_the_tanh_gelu(
   numbers = (((2,), (0,)), ((), ()))
 
   def product(x, b, w):
-    dot_general = gelu_matmul.gelu_dot_general(b, approximate, operand_dtype,
-                                           implementation)
+    dot_general = gelu_matmul.gelu_dot_general(b, approximate,
+                                               operand_dtype, implementation)
     return dot_general(x, w, numbers)
 
   loss = jax.jit(jax.grad(lambda x, b, w: jnp.sum(jnp.sin(product(x, b, w))),
@@ -140,6 +142,73 @@ def test_gelu_dot_general_takes_the_kernel_for_the_tanh_gelu(
   np.testing.assert_allclose(inference(x, bias, weights), expected,
                              rtol=tolerance,
                              atol=tolerance * np.abs(expected).max())
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(2, 197, 64), (3, 5, 17)])
+def test_bfloat16_activations_are_the_float32_ones_rounded(shape):
+  """With activations_dtype=bfloat16 the kernel's activations, forward and
+  backward, are its float32 ones as XLA rounds them (to nearest, ties to
+  even), in whole vectors and in a row's last part (17 columns); the other
+  results are unchanged. NaN and infinities stay so."""
+  h = _inputs(5, *shape)
+  h.reshape(-1)[10:13] = [np.nan, np.inf, -np.inf]
+  bias = _bias(6, shape[-1])
+  grad = np.random.default_rng(7).normal(size=shape).astype(np.float32)
+  rounded = lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16))
+  forward = jax.jit(cpu_gelu.gelu, static_argnums=2)
+  expected = rounded(forward(h, bias, jnp.float32))
+  result = np.asarray(forward(h, bias, jnp.bfloat16))
+  assert result.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(result.astype(np.float32),
+                                expected.astype(np.float32))
+  backward = jax.jit(cpu_gelu.gelu_and_gradient, static_argnums=3)
+  ours = backward(h, bias, grad, jnp.bfloat16)
+  reference = backward(h, bias, grad, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(ours[0]).astype(np.float32),
+                                rounded(reference[0]).astype(np.float32))
+  for result, expected in zip(ours[1:], reference[1:]):
+    np.testing.assert_array_equal(result, expected)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,backward_target", [
+    (64, "VitGeluBackwardBf16"), (7, "VitGeluBackward")])
+def test_bfloat16_products_read_the_kernels_rounded_activations(
+    rows, backward_target):
+  """With bfloat16 products the forward kernel returns the activations in
+  bfloat16, which the second product reads; the backward kernel does too
+  where the weight gradient's YNNPACK product reads them unchanged (rows
+  in several groups: 64 on the suite's 8 devices), and in float32 where
+  they are its transposed operand (7 rows, one group). The values are
+  those of the products on XLA's rounding of float32 activations."""
+  normal = np.random.default_rng(8).normal
+  x = normal(size=(rows, 48)).astype(np.float32) * 3
+  bias = normal(size=48).astype(np.float32)
+  weights = normal(size=(48, 16)).astype(np.float32) / 5
+  numbers = (((1,), (0,)), ((), ()))
+
+  def loss(x, b, w, gelu_dot_general):
+    return jnp.sum(jnp.sin(gelu_dot_general(b, True, jnp.bfloat16, "xla")(
+        x, w, numbers)))
+
+  def rounded_after_xla(b, approximate, operand_dtype, implementation):
+    """The same products, on XLA's GELU rounded by XLA."""
+    del implementation
+    return lambda x, w, dims: jax.lax.dot_general(
+        jax.nn.gelu(x + b, approximate=approximate).astype(operand_dtype),
+        w.astype(operand_dtype), dims, preferred_element_type=jnp.float32)
+
+  gradient = jax.jit(jax.grad(
+      lambda *a: loss(*a, gelu_matmul.gelu_dot_general), argnums=(0, 1, 2)))
+  program = gradient.lower(x, bias, weights).as_text()
+  assert "VitGeluBf16" in program
+  assert re.search(rf"{backward_target}\b", program)
+  reference = jax.grad(lambda *a: loss(*a, rounded_after_xla),
+                       argnums=(0, 1, 2))(x, bias, weights)
+  for result, expected in zip(gradient(x, bias, weights), reference):
+    np.testing.assert_allclose(result, expected, rtol=2e-2,
+                               atol=2e-2 * np.abs(expected).max())
 
 
 @needs_kernels

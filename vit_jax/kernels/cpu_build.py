@@ -54,7 +54,7 @@ TARGETS = (*(f"VitAttention{family}{handler}{suffix}"
              for suffix in ("", "Bf16")),
            "VitTransposeToBfloat16", "VitGemm", "VitGemmTransposedRight",
            "VitGemmOverRows", "VitLayerNormForward", "VitLayerNormBackward",
-           "VitGelu", "VitGeluBackward")
+           "VitGelu", "VitGeluBackward", "VitGeluBf16", "VitGeluBackwardBf16")
 # Kernels on whole (replicated) operands, not split over a batch axis.
 REPLICATED_TARGETS = ("VitAdamW",)
 

@@ -20,7 +20,9 @@ as XLA's fusions).
 differentiation (training), on (G, rows, mlp_dim) groups of rows (those of
 the oneDNN products where they run). Without differentiation XLA's GELU
 runs instead: it then fuses with the bias add before it into one pass,
-which this kernel cannot join.
+which this kernel cannot join. With bfloat16 products the kernel returns
+the activations rounded to bfloat16 (`activations_dtype`), which is all
+the products read of them: rounded by XLA, they were a pass of their own.
 """
 
 import jax
@@ -28,12 +30,23 @@ import jax.numpy as jnp
 
 from vit_jax.kernels import cpu_build, cpu_gemm
 
-_FORWARD = cpu_build.batch_partitionable(
-    "VitGelu", lambda h, bias: [(h.shape, h.dtype)], 1)
-_BACKWARD = cpu_build.batch_partitionable(
-    "VitGeluBackward",
-    lambda h, bias, da: [(h.shape, h.dtype)] * 2 + [(bias.shape, bias.dtype)],
-    1)
+# The activations' dtypes the kernel returns, and its targets' suffixes.
+_SUFFIXES = {jnp.dtype(jnp.float32): "", jnp.dtype(jnp.bfloat16): "Bf16"}
+
+
+def _primitives(activations_dtype: jnp.dtype):
+  return (
+      cpu_build.batch_partitionable(
+          f"VitGelu{_SUFFIXES[activations_dtype]}",
+          lambda h, bias: [(h.shape, activations_dtype)], 1),
+      cpu_build.batch_partitionable(
+          f"VitGeluBackward{_SUFFIXES[activations_dtype]}",
+          lambda h, bias, da: [(h.shape, activations_dtype), (h.shape, h.dtype),
+                               (bias.shape, bias.dtype)], 1))
+
+
+# activations' dtype -> (forward, backward) primitives.
+_PRIMITIVES = {dtype: _primitives(dtype) for dtype in _SUFFIXES}
 
 
 def _check(h: jax.Array, bias: jax.Array, *others: jax.Array) -> None:
@@ -46,24 +59,36 @@ def _check(h: jax.Array, bias: jax.Array, *others: jax.Array) -> None:
         f"{[f'{a.dtype}{list(a.shape)}' for a in (h, bias, *others)]}")
 
 
-def gelu(h: jax.Array, bias: jax.Array) -> jax.Array:
+def _primitive(activations_dtype, backward: bool):
+  dtype = jnp.dtype(activations_dtype)
+  if dtype not in _PRIMITIVES:
+    raise ValueError(f"the GELU kernel returns float32 or bfloat16 "
+                     f"activations, not {dtype.name}")
+  return _PRIMITIVES[dtype][backward]
+
+
+def gelu(h: jax.Array, bias: jax.Array,
+         activations_dtype=jnp.float32) -> jax.Array:
   """jax.nn.gelu(h + bias, approximate=True) for h (G, ..., n) and bias
-  (n,), float32; not differentiable itself (`gelu_dot_general`
-  differentiates it)."""
+  (n,), float32, returned in activations_dtype (float32 or bfloat16,
+  rounded to nearest even); not differentiable itself
+  (`gelu_dot_general` differentiates it)."""
   _check(h, bias)
-  (activations,) = _FORWARD.bind(h, cpu_build.per_group(bias, h.shape[0]),
-                                 tasks=cpu_gemm.tasks_per_device())
+  (activations,) = _primitive(activations_dtype, False).bind(
+      h, cpu_build.per_group(bias, h.shape[0]),
+      tasks=cpu_gemm.tasks_per_device())
   return activations
 
 
 def gelu_and_gradient(h: jax.Array, bias: jax.Array,
-                      activations_grad: jax.Array
+                      activations_grad: jax.Array,
+                      activations_dtype=jnp.float32
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(gelu(h + bias), activations_grad * gelu'(h + bias), bias's gradient
-  (n,)) for h (G, ..., n), float32: the second's sum over all but the last
-  axis."""
+  """(gelu(h + bias) in activations_dtype, activations_grad * gelu'(h +
+  bias), bias's gradient (n,)) for h (G, ..., n), float32: the second's
+  sum over all but the last axis."""
   _check(h, bias, activations_grad)
-  activations, h_grad, bias_grad = _BACKWARD.bind(
+  activations, h_grad, bias_grad = _primitive(activations_dtype, True).bind(
       h, cpu_build.per_group(bias, h.shape[0]), activations_grad,
       tasks=cpu_gemm.tasks_per_device())
   return activations, h_grad, jnp.sum(bias_grad, axis=0)

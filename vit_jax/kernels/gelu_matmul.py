@@ -28,12 +28,15 @@ def _takes_gelu_kernel(inputs, kernel, dimension_numbers, approximate,
 
 
 def _gelu(inputs, bias, kernel, dimension_numbers, approximate,
-          implementation):
-  """gelu(inputs + bias), bias along inputs' last axis."""
+          operand_dtype, implementation):
+  """gelu(inputs + bias), bias along inputs' last axis; from the C++
+  kernel rounded to operand_dtype (bfloat16) if given, as the product
+  reads it."""
   if _takes_gelu_kernel(inputs, kernel, dimension_numbers, approximate,
                         implementation):
     grouped = matmuls.grouped_rows(inputs, len(dimension_numbers[0][0]))
-    return cpu_gelu.gelu(grouped, bias.reshape(-1)).reshape(inputs.shape)
+    return cpu_gelu.gelu(grouped, bias.reshape(-1),
+                         operand_dtype or inputs.dtype).reshape(inputs.shape)
   return nn.gelu(inputs + bias, approximate=approximate)
 
 
@@ -61,7 +64,7 @@ def _gelu_dot_forward(inputs, bias, kernel, dimension_numbers, precision,
   # anyway: the kernel's pass then costs no more than XLA's (step_ab:
   # 1.002-1.010 with XLA's GELU here), and takes the bias add with it.
   activations = _gelu(inputs, bias, kernel, dimension_numbers, approximate,
-                      implementation)
+                      operand_dtype, implementation)
   return matmuls.dot(activations, kernel, dimension_numbers, precision,
                      preferred_element_type, operand_dtype,
                      implementation), (inputs, bias, kernel)
@@ -107,9 +110,16 @@ def _gelu_kernel_backward(inputs, bias, kernel, output_grad, num_contracted,
     activations_grad = xla_products.product(
         output_grad.astype(kernel.dtype), kernel_2d,
         (((1,), (1,)), ((), ())), precision, operand_dtype)
+  # Rounded to bfloat16 as the kernel writes them where the weight
+  # gradient's product would round them (a pass of XLA's less).
+  activations_dtype = (inputs.dtype if onednn else
+                       xla_products.kernel_gradient_inputs_dtype(
+                           (output_grad.shape[0], depth), output_grad.shape,
+                           operand_dtype))
   activations, inputs_grad, bias_grad = cpu_gelu.gelu_and_gradient(
       grouped, bias.reshape(-1),
-      activations_grad.reshape(grouped.shape).astype(inputs.dtype))
+      activations_grad.reshape(grouped.shape).astype(inputs.dtype),
+      activations_dtype)
   kernel_grad = (cpu_gemm.rows_transposed_times(activations, output_grad)
                  if onednn else
                  xla_products.kernel_gradient(

@@ -163,7 +163,8 @@ def dot(inputs, kernel, dimension_numbers, precision,
         preferred_element_type, operand_dtype=None, implementation="xla"):
   """`jax.lax.dot_general(inputs, kernel, ...)` without a backward pass of
   its own: in oneDNN for Dense products with implementation "onednn",
-  with operands rounded to operand_dtype if given."""
+  with operands rounded to operand_dtype if given (inputs may come rounded
+  already: the result is then in the kernel's dtype)."""
   if (implementation == "onednn"
       and is_dense_matmul(inputs, kernel, dimension_numbers)):
     num = len(dimension_numbers[0][0])
@@ -173,9 +174,10 @@ def dot(inputs, kernel, dimension_numbers, precision,
     return product.reshape(inputs.shape[:inputs.ndim - num]
                            + kernel.shape[num:])
   if operand_dtype is not None:
-    product = xla_products.product(inputs, kernel, dimension_numbers,
-                                   precision, operand_dtype)
-    return product.astype(preferred_element_type or inputs.dtype)
+    return xla_products.product(
+        inputs, kernel, dimension_numbers, precision, operand_dtype,
+        preferred_element_type or jnp.promote_types(inputs.dtype,
+                                                    kernel.dtype))
   return jax.lax.dot_general(inputs, kernel, dimension_numbers,
                              precision=precision,
                              preferred_element_type=preferred_element_type)

@@ -64,15 +64,16 @@ def cpu_has_bfloat16_dots() -> bool:
 
 
 def product(a: jax.Array, b: jax.Array, dimension_numbers, precision,
-            operand_dtype) -> jax.Array:
+            operand_dtype, result_dtype=None) -> jax.Array:
   """lax.dot_general(a, b), with both operands rounded to operand_dtype
-  (if given) and the result accumulated in a's dtype."""
+  (if given) and the result accumulated in result_dtype (default: a's
+  dtype)."""
   if operand_dtype is None:
     return jax.lax.dot_general(a, b.astype(a.dtype), dimension_numbers,
                                precision=precision)
   return jax.lax.dot_general(a.astype(operand_dtype), b.astype(operand_dtype),
                              dimension_numbers, precision=precision,
-                             preferred_element_type=a.dtype)
+                             preferred_element_type=result_dtype or a.dtype)
 
 
 def kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
@@ -89,13 +90,28 @@ def kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
   kept that orientation: the ViT-Ti/16 @224 train step ran 1.4-2.4%
   faster with this one. (Where the result must be row-major, e.g. a jitted
   function's output, XLA turns a transposed product round itself.)
-  With bfloat16 operands where YNNPACK runs them, `_ynnpack_kernel_gradient`;
-  otherwise `xla_kernel_gradient`.
+  With bfloat16 operands where YNNPACK runs them, `_ynnpack_kernel_gradient`
+  (whose inputs may come rounded to bfloat16 already where
+  `kernel_gradient_inputs_dtype` says so); otherwise `xla_kernel_gradient`.
   """
-  output_grad = output_grad.astype(inputs.dtype)
-  if _takes_ynnpack_kernel_gradient(inputs, operand_dtype):
-    return _ynnpack_kernel_gradient(inputs, output_grad, precision)
+  if _takes_ynnpack_kernel_gradient(inputs, output_grad, operand_dtype):
+    return _ynnpack_kernel_gradient(inputs, output_grad.astype(jnp.float32),
+                                    precision)
   return xla_kernel_gradient(inputs, output_grad, precision, operand_dtype)
+
+
+def kernel_gradient_inputs_dtype(inputs_shape: tuple[int, int],
+                                 output_grad_shape: tuple[int, int],
+                                 operand_dtype) -> Any:
+  """The dtype `kernel_gradient` best takes its inputs (R, K) in, given
+  output_grad (R, N): bfloat16 where its YNNPACK product reads them
+  unchanged but rounded (several row groups, K > N: output_grad is the
+  operand transposed), so that their producer can round them as it writes
+  them; float32 otherwise."""
+  if (_ynnpack_runs(operand_dtype)
+      and _transposes_output_grad(inputs_shape, output_grad_shape)):
+    return jnp.bfloat16
+  return jnp.float32
 
 
 def xla_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
@@ -111,13 +127,30 @@ def xla_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
                  operand_dtype).T
 
 
-def _takes_ynnpack_kernel_gradient(inputs: jax.Array, operand_dtype) -> bool:
-  """Whether `_ynnpack_kernel_gradient` runs this product: bfloat16
-  operands of float32 inputs, on a CPU whose XLA runs them in YNNPACK,
-  with the transpose kernel built."""
-  return (inputs.dtype == jnp.float32
-          and xla_compiler_options(operand_dtype) is not None
+def _ynnpack_runs(operand_dtype) -> bool:
+  """Whether products of operand_dtype run in YNNPACK here, with the
+  transpose kernel built."""
+  return (xla_compiler_options(operand_dtype) is not None
           and cpu_build.problem() is None)
+
+
+def _transposes_output_grad(inputs_shape, output_grad_shape) -> bool:
+  """Whether `_ynnpack_kernel_gradient` transposes output_grad (and reads
+  inputs as they are): the rows in several groups, output_grad narrower."""
+  groups = math.gcd(inputs_shape[0], jax.device_count())
+  return groups > 1 and inputs_shape[1] > output_grad_shape[1]
+
+
+def _takes_ynnpack_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
+                                   operand_dtype) -> bool:
+  """Whether `_ynnpack_kernel_gradient` runs this product: bfloat16
+  operands on a CPU whose XLA runs them in YNNPACK, of float32 inputs, or
+  of bfloat16 ones where it reads them unchanged."""
+  if not _ynnpack_runs(operand_dtype):
+    return False
+  return (inputs.dtype == jnp.float32
+          or (inputs.dtype == jnp.bfloat16
+              and _transposes_output_grad(inputs.shape, output_grad.shape)))
 
 
 def _ynnpack_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
@@ -143,7 +176,7 @@ def _ynnpack_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
   # own dot has no bfloat16 kernel ("Unsupported element type for
   # DotThunk": every one-device run). With several groups, their sum (the
   # all-reduce under a split batch) stands between.
-  flip = groups > 1 and inputs.shape[1] > output_grad.shape[1]
+  flip = _transposes_output_grad(inputs.shape, output_grad.shape)
   left, right = (output_grad, inputs) if flip else (inputs, output_grad)
   left_t = cpu_transpose.transpose_to_bfloat16(
       left.reshape(groups, rows // groups, left.shape[1]))

@@ -9,6 +9,9 @@
 //   VitGeluBackward  h, b, da -> gelu(h + b), da * gelu'(h + b), and the
 //                    bias's gradient (G, n): the column sums of the second
 //                    in each group
+// VitGeluBf16 and VitGeluBackwardBf16 return gelu(h + b) rounded to
+// bfloat16, for products that read it so: XLA's rounding would be a pass
+// of its own over the activations.
 // gelu(x) = x / 2 (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), as
 // jax.nn.gelu(approximate=True) defines it, computed as x / (1 + exp(-2u)).
 // The backward pass returns the activations too: the weight gradient of
@@ -20,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -77,6 +81,18 @@ inline void GeluAndGradient(Vec h, Vec da, Vec* a, Vec* dh) {
                       (1.0f + 3.0f * kCubic * h2));
 }
 
+// The activations' element: float32, or bfloat16's bits.
+template <ffi::DataType kActivations>
+using ActivationsOf =
+    std::conditional_t<kActivations == ffi::DataType::BF16, uint16_t, float>;
+
+inline void StoreActivations(float* p, Vec v, int64_t count) {
+  StorePart(p, v, count);
+}
+inline void StoreActivations(uint16_t* p, Vec v, int64_t count) {
+  StoreBfloat16Part(p, v, count);
+}
+
 // The h, b and da of a call and its shape: `groups` groups of `rows` rows
 // of n values.
 struct GeluShape {
@@ -110,32 +126,34 @@ inline void ForEachVector(const GeluShape& s, int64_t g, int64_t start,
              std::min<int64_t>(kLanes, s.n - c));
 }
 
+template <ffi::DataType kActivations>
 ffi::Error GeluForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
                        ffi::Buffer<ffi::F32> bias,
-                       ffi::ResultBuffer<ffi::F32> a, int64_t tasks) {
+                       ffi::ResultBuffer<kActivations> a, int64_t tasks) {
   GeluShape s;
   if (ffi::Error error = CheckShape(h, bias, h.element_count(), &s);
       error.failure())
     return error;
   const float *hp = h.typed_data(), *bp = bias.typed_data();
-  float* ap = a->typed_data();
+  auto* ap = reinterpret_cast<ActivationsOf<kActivations>*>(a->typed_data());
   ForEachBlock(pool, s.groups, Blocks(s.rows, tasks, 1),
                [=](int64_t g, int64_t start, int64_t length) {
                  const float* b = bp + g * s.n;
                  ForEachVector(s, g, start, length,
                                [=](int64_t i, int64_t c, int64_t count) {
-                   StorePart(ap + i,
-                             Gelu(LoadPart(hp + i, count) +
-                                  LoadPart(b + c, count)),
-                             count);
+                   StoreActivations(ap + i,
+                                    Gelu(LoadPart(hp + i, count) +
+                                         LoadPart(b + c, count)),
+                                    count);
                  });
                });
   return ffi::Error::Success();
 }
 
+template <ffi::DataType kActivations>
 ffi::Error GeluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
                         ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> da,
-                        ffi::ResultBuffer<ffi::F32> a,
+                        ffi::ResultBuffer<kActivations> a,
                         ffi::ResultBuffer<ffi::F32> dh,
                         ffi::ResultBuffer<ffi::F32> dbias, int64_t tasks) {
   GeluShape s;
@@ -144,7 +162,8 @@ ffi::Error GeluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
     return error;
   const float *hp = h.typed_data(), *bp = bias.typed_data(),
               *dap = da.typed_data();
-  float *ap = a->typed_data(), *dhp = dh->typed_data();
+  auto* ap = reinterpret_cast<ActivationsOf<kActivations>*>(a->typed_data());
+  float* dhp = dh->typed_data();
   const Blocks blocks(s.rows, tasks, 1);
   // Each block's column sums, added up per group once all have run.
   std::vector<float> sums(s.groups * blocks.count() * s.n, 0.0f);
@@ -160,7 +179,7 @@ ffi::Error GeluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
                    GeluAndGradient(
                        LoadPart(hp + i, count) + LoadPart(b + c, count),
                        LoadPart(dap + i, count), &activations, &gradient);
-                   StorePart(ap + i, activations, count);
+                   StoreActivations(ap + i, activations, count);
                    StorePart(dhp + i, gradient, count);
                    StorePart(sum + c, LoadPart(sum + c, count) + gradient,
                              count);
@@ -180,21 +199,26 @@ ffi::Error GeluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(VitGelu, GeluForward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // h
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // b
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // a
-                                  .Attr<int64_t>("tasks"));
+// The forward and backward handlers whose activations are `ACTIVATIONS`.
+#define VIT_GELU_HANDLERS(SUFFIX, ACTIVATIONS)                               \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(VitGelu##SUFFIX, GeluForward<ACTIVATIONS>,   \
+                                ffi::Ffi::Bind()                             \
+                                    .Ctx<ffi::ThreadPool>()                  \
+                                    .Arg<ffi::Buffer<ffi::F32>>() /* h */    \
+                                    .Arg<ffi::Buffer<ffi::F32>>() /* b */    \
+                                    .Ret<ffi::Buffer<ACTIVATIONS>>()         \
+                                    .Attr<int64_t>("tasks"));                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                             \
+      VitGeluBackward##SUFFIX, GeluBackward<ACTIVATIONS>,                    \
+      ffi::Ffi::Bind()                                                       \
+          .Ctx<ffi::ThreadPool>()                                            \
+          .Arg<ffi::Buffer<ffi::F32>>() /* h */                              \
+          .Arg<ffi::Buffer<ffi::F32>>() /* b */                              \
+          .Arg<ffi::Buffer<ffi::F32>>() /* da */                             \
+          .Ret<ffi::Buffer<ACTIVATIONS>>() /* a */                           \
+          .Ret<ffi::Buffer<ffi::F32>>() /* dh */                             \
+          .Ret<ffi::Buffer<ffi::F32>>() /* db */                             \
+          .Attr<int64_t>("tasks"))
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(VitGeluBackward, GeluBackward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // h
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // b
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // da
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // a
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dh
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // db
-                                  .Attr<int64_t>("tasks"));
+VIT_GELU_HANDLERS(, ffi::F32);
+VIT_GELU_HANDLERS(Bf16, ffi::BF16);

@@ -8,19 +8,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vectors.h"  // RoundToBfloat16
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
-
-// Branch-free, so that the loop over a block's row vectorises: the bfloat16
-// bits of a float's bits, in the low 16 bits of the result.
-inline uint32_t RoundToBfloat16(uint32_t bits) {
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const uint32_t quiet_nan = (bits >> 16) | 0x0040u;  // a NaN stays one
-  return (bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
-}
 
 // out (columns x rows) = in (rows x columns)^T, rounded to bfloat16.
 //

@@ -28,6 +28,9 @@ constexpr int kLanes = 4;  // xmm, or NEON's q
 #endif
 typedef float Vec __attribute__((vector_size(kLanes * 4), aligned(4)));
 typedef int32_t IVec __attribute__((vector_size(kLanes * 4), aligned(4)));
+typedef uint32_t UVec __attribute__((vector_size(kLanes * 4), aligned(4)));
+// kLanes bfloat16 values' bits.
+typedef uint16_t Bf16Vec __attribute__((vector_size(kLanes * 2), aligned(2)));
 
 inline Vec Load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
 inline void Store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
@@ -46,6 +49,28 @@ inline void StorePart(float* p, Vec v, int64_t count) {
     return;
   }
   for (int64_t i = 0; i < count; ++i) p[i] = v[i];
+}
+
+// The bfloat16 bits of a float's bits (a uint32_t, or a UVec of them), in
+// the low 16 bits: rounded to nearest, ties to even, as XLA's convert from
+// f32 to bf16; a NaN stays a (quiet) NaN. Branch-free, so that loops of it
+// vectorise.
+template <typename Bits>
+inline Bits RoundToBfloat16(Bits bits) {
+  const Bits rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const Bits quiet_nan = (bits >> 16) | 0x0040u;
+  return (bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+}
+
+// v's first `count` lanes (at most kLanes) rounded to bfloat16, their bits
+// written at p.
+inline void StoreBfloat16Part(uint16_t* p, Vec v, int64_t count) {
+  const UVec bits = RoundToBfloat16(reinterpret_cast<const UVec&>(v));
+  if (count == kLanes) {
+    *reinterpret_cast<Bf16Vec*>(p) = __builtin_convertvector(bits, Bf16Vec);
+    return;
+  }
+  for (int64_t i = 0; i < count; ++i) p[i] = static_cast<uint16_t>(bits[i]);
 }
 
 // x - 0 is x for every float (-0 included), so the compiler drops the
