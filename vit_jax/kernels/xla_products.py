@@ -134,11 +134,17 @@ def _ynnpack_runs(operand_dtype) -> bool:
           and cpu_build.problem() is None)
 
 
+def _row_groups(rows: int) -> int:
+  """The groups `_ynnpack_kernel_gradient` takes the rows in: one per
+  device where the rows divide so."""
+  return math.gcd(rows, jax.device_count())
+
+
 def _transposes_output_grad(inputs_shape, output_grad_shape) -> bool:
   """Whether `_ynnpack_kernel_gradient` transposes output_grad (and reads
   inputs as they are): the rows in several groups, output_grad narrower."""
-  groups = math.gcd(inputs_shape[0], jax.device_count())
-  return groups > 1 and inputs_shape[1] > output_grad_shape[1]
+  return (_row_groups(inputs_shape[0]) > 1
+          and inputs_shape[1] > output_grad_shape[1])
 
 
 def _takes_ynnpack_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
@@ -168,7 +174,7 @@ def _ynnpack_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
   AMX CPU*).
   """
   rows = inputs.shape[0]
-  groups = math.gcd(rows, jax.device_count())
+  groups = _row_groups(rows)
   # Transposing dy where it is the narrower makes the product the result's
   # transpose. With one group nothing stands between that product and its
   # transpose, and XLA folds the transpose into it, contracting the left
