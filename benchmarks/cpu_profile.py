@@ -51,6 +51,9 @@ import hlo_kinds
 import throughput
 
 WAITING = "waiting, no matmul outstanding"
+# No dot runs slower than this (a hundredth of one core's float32 rate):
+# the longest a dot can leave its device waiting is its FLOPs at this rate.
+SLOWEST_DOT_FLOPS_PER_S = 1e9
 BETWEEN_STEPS = "outside the program (dispatch)"
 
 
@@ -99,8 +102,12 @@ def attribute_gaps(timeline: list[ThunkEvent], module: hlo_kinds.HloModule,
 
   A dot is outstanding from its launch until a reader of its result starts,
   or until a dot launched after it is done (the thread pool takes them
-  first come, first served). A gap with several outstanding is split
-  between them by FLOPs: their sum is measured, the split is not.
+  first come, first served), and at most as long as it would take at
+  `SLOWEST_DOT_FLOPS_PER_S`: a small dot read only at the step's end (the
+  head's weight gradient, where YNNPACK runs every other product) would
+  otherwise collect every idle gap after its launch. A gap with several
+  outstanding is split between them by FLOPs: their sum is measured, the
+  split is not.
   """
   dots = [(i, event) for i, event in enumerate(timeline)
           if module.instructions[event.name].opcode == "dot"]
@@ -109,7 +116,8 @@ def attribute_gaps(timeline: list[ThunkEvent], module: hlo_kinds.HloModule,
     readers = consumers.get(event.name, ())
     read = next((later.start for later in timeline[i + 1:]
                  if later.name in readers), timeline[-1].end)
-    bound = done[event.name] = min(read, bound)
+    bound = done[event.name] = min(
+        read, bound, event.start + flops[event.name] / SLOWEST_DOT_FLOPS_PER_S)
   waiting, shared = collections.Counter(), collections.Counter()
   unexplained = 0.0
   for gap_start, gap_end in _gaps(timeline):

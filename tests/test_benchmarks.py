@@ -698,7 +698,7 @@ def test_cpu_profile_charges_a_devices_waits_to_the_matmuls_it_waits_on():
   module = hlo_kinds.parse_hlo(_TINY_HLO)
   consumers = hlo_kinds.thunk_consumers(module)
   event = cpu_profile.ThunkEvent
-  flops = {"dot.2": 1.0, "dot.3": 3.0}
+  flops = {"dot.2": 1e10, "dot.3": 3e10}
   timeline = [event("ynn_fusion.1", 0.0, 1.0), event("dot.2", 1.0, 1.5),
               event("dot.3", 1.5, 2.0),  # both outstanding until 6
               event("custom-call", 6.0, 7.0),  # reads dot.2
@@ -709,6 +709,16 @@ def test_cpu_profile_charges_a_devices_waits_to_the_matmuls_it_waits_on():
   assert waiting == pytest.approx({"dot.2": 1.0, "dot.3": 3.0})
   assert shared == pytest.approx({"dot.2": 1.0, "dot.3": 3.0})
   assert unexplained == pytest.approx(1.0)
+  # A dot that would take 2 s at the slowest rate a dot runs, read only
+  # at 5 s: charged the wait within its 2 s, not the one after.
+  small = {"dot.2": 2.0 * cpu_profile.SLOWEST_DOT_FLOPS_PER_S, "dot.3": 1.0}
+  timeline = [event("dot.2", 0.0, 0.5),  # a wait of 0.5 follows
+              event("ynn_fusion.1", 1.0, 1.5),  # then one of 3.5
+              event("custom-call", 5.0, 6.0)]  # reads dot.2
+  waiting, _, unexplained = cpu_profile.attribute_gaps(
+      timeline, module, consumers, small)
+  assert waiting == pytest.approx({"dot.2": 0.5})
+  assert unexplained == pytest.approx(3.5)
 
 
 def test_cpu_profile_times_a_real_train_step_by_product(tmp_path):
