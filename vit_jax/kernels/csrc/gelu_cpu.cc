@@ -109,8 +109,9 @@ ffi::Error CheckShape(const ffi::Buffer<ffi::F32>& h,
     return ffi::Error::InvalidArgument(
         "the GELU kernel takes h (G, ..., n), its bias (G, n) and (backward) "
         "da of h's shape");
-  const int64_t groups = hd[0], n = bd[1];
-  *shape = GeluShape{groups, groups ? h.element_count() / groups / n : 0, n};
+  const int64_t groups = hd[0], n = bd[1],
+                count = static_cast<int64_t>(h.element_count());
+  *shape = GeluShape{groups, groups ? count / groups / n : 0, n};
   return ffi::Error::Success();
 }
 
