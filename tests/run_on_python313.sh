@@ -6,17 +6,21 @@
 #
 #   sudo bash tests/run_on_python313.sh [pytest arguments]   # default suite
 #   EXTRAS=test,torch sudo -E bash tests/run_on_python313.sh  # + PyTorch
+#   PINS="jax==0.11.2 jaxlib==0.11.2" sudo -E bash tests/run_on_python313.sh
+#                                       # an older release in the range
 #
 # Needs root (debootstrap, chroot, bind mounts), Debian's packages and PyPI.
 # Makes a Debian 13 tree in $PY313_ROOT (default /srv/vit_jax_python313,
 # ~1 GB, ~5 GB more with torch; kept for the next run), a virtual
 # environment there with the project's $EXTRAS (default: test) as pip
-# resolves them, copies this checkout's tracked files into it and runs
-# pytest there (two workers, as `python -m pytest` does here).
+# resolves them (then $PINS, pip requirements that replace some of them),
+# copies this checkout's tracked files into it and runs pytest there (two
+# workers, as `python -m pytest` does here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="${PY313_ROOT:-/srv/vit_jax_python313}"
 extras="${EXTRAS:-test}"
+pins="${PINS:-}"
 
 command -v debootstrap >/dev/null || {
   apt-get update -qq
@@ -57,12 +61,13 @@ mkdir -p "$root/opt/vit_jax"
 git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$root/opt/vit_jax"
 
 chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/bin:/bin \
-  PIP_DISABLE_PIP_VERSION_CHECK=1 EXTRAS="$extras" /bin/bash -c '
+  PIP_DISABLE_PIP_VERSION_CHECK=1 EXTRAS="$extras" PINS="$pins" /bin/bash -c '
   set -e
   [ -x /opt/venv/bin/python ] || python3 -m venv /opt/venv
   . /opt/venv/bin/activate
   cd /opt/vit_jax
   pip install -q --upgrade --upgrade-strategy eager -e ".[$EXTRAS]"
+  [ -z "$PINS" ] || pip install -q $PINS
   python -c "import sys, jax, jaxlib, flax
 print(\"Python\", sys.version.split()[0], \"jax\", jax.__version__, \"jaxlib\",
       jaxlib.__version__, \"flax\", flax.__version__)"
