@@ -265,15 +265,17 @@ def test_xla_compiler_options_turn_on_ynnpack_dots_only_for_bfloat16():
 
 
 @pytest.mark.parametrize("key,flags,expected", [
-    ("flags", "fpu avx2 fma avx512f avx512_bf16 avx512_vnni", True),
-    ("flags", "fpu avx2 amx_bf16 amx_tile", True),
-    ("flags", "fpu avx2 fma avx512f avx512bw", False),
-    ("Features", "fp asimd sve i8mm bf16 svebf16", True),  # Neoverse V1
-    ("Features", "fp asimd evtstrm aes crc32 atomics", False)])  # N1
-def test_cpu_has_bfloat16_dots_reads_the_cpu_flags(monkeypatch, tmp_path,
-                                                   key, flags, expected):
+    ("flags", "fpu avx2 fma avx512f avx512_bf16 avx512_vnni",
+     ("AVX512_BF16",)),  # Zen 4
+    ("flags", "fpu avx2 avx512_bf16 amx_bf16 amx_tile",
+     ("AMX-BF16", "AVX512_BF16")),  # Sapphire Rapids
+    ("flags", "fpu avx2 fma avx512f avx512bw", ()),
+    ("Features", "fp asimd sve i8mm bf16 svebf16", ("BF16",)),  # Neoverse V1
+    ("Features", "fp asimd evtstrm aes crc32 atomics", ())])  # N1
+def test_bfloat16_dot_instructions_reads_the_cpu_flags(monkeypatch, tmp_path,
+                                                       key, flags, expected):
   cpuinfo = tmp_path / "cpuinfo"
   cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Some CPU\n"
                      f"{key}\t\t: {flags}\n\n")
   monkeypatch.setattr(host, "CPUINFO", str(cpuinfo))
-  assert xla_products.cpu_has_bfloat16_dots() is expected
+  assert xla_products.bfloat16_dot_instructions() == expected

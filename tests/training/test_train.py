@@ -114,7 +114,8 @@ def test_bfloat16_matmuls_train_like_float32():
 @pytest.mark.parametrize("machine,matmul_dtype,has_dots,says", [
     ("x86_64", "bfloat16", False,
      "Warning: config.model.matmul_dtype='bfloat16'"),
-    ("x86_64", None, True, "--config.model.matmul_dtype=bfloat16"),
+    ("x86_64", None, True, "instructions (AVX512_BF16). "
+     "--config.model.matmul_dtype=bfloat16"),
     ("x86_64", "bfloat16", True, None), ("x86_64", None, False, None),
     ("aarch64", "bfloat16", False,
      "Warning: config.model.matmul_dtype='bfloat16'"),
@@ -127,7 +128,8 @@ def test_the_log_advises_on_matmul_dtype_by_the_cpus_dot_instructions(
   import platform  # pylint: disable=import-outside-toplevel
   from vit_jax.kernels import xla_products  # pylint: disable=import-outside-toplevel
   from vit_jax.training import run  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(xla_products, "cpu_has_bfloat16_dots", lambda: has_dots)
+  monkeypatch.setattr(xla_products, "bfloat16_dot_instructions",
+                      lambda: ("AVX512_BF16",) if has_dots else ())
   monkeypatch.setattr(platform, "machine", lambda: machine)
   advice = run.matmul_dtype_advice(matmul_dtype)
   if says is None:

@@ -7,7 +7,7 @@
   with bfloat16 operands through YNNPACK, by a transposed copy that a C++
   kernel makes (`cpu_transpose`).
 - `xla_compiler_options`: the per-program options that turn YNNPACK on for
-  bfloat16 products; `cpu_has_bfloat16_dots`: whether they pay here.
+  bfloat16 products; `bfloat16_dot_instructions`: whether they pay here.
 
 `matmuls` (the Dense layers' `dot_general` and its backward pass) and
 `gelu_matmul` (the MLP's second Dense with its GELU) are made of these.
@@ -52,15 +52,18 @@ def xla_compiler_options(operand_dtype: Any) -> Optional[dict[str, str]]:
 
 # /proc/cpuinfo's names for bfloat16 dot instructions: x86's AVX512_BF16
 # and AMX-BF16, Arm's BF16 extension (BFDOT, BFMMLA).
-_BFLOAT16_DOT_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+# The CPU flags of bfloat16 dot instructions, and their names.
+_BFLOAT16_DOTS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512_BF16",
+                  "bf16": "BF16"}
 
 
-def cpu_has_bfloat16_dots() -> bool:
-  """Whether this host's CPU has bfloat16 dot instructions (x86's
-  AVX512_BF16 or AMX-BF16, Arm's BF16; from /proc/cpuinfo), which
-  bfloat16 operands need to be faster than float32 ones. Measured on x86
-  only (docs/performance.md, *bfloat16 products on a CPU*)."""
-  return bool(host.cpu_features()[1] & _BFLOAT16_DOT_FLAGS)
+def bfloat16_dot_instructions() -> tuple[str, ...]:
+  """The bfloat16 dot instructions of this host's CPU by name (x86's
+  AVX512_BF16 and AMX-BF16, Arm's BF16; from /proc/cpuinfo), () if none:
+  bfloat16 operands need them to be faster than float32 ones. Measured on
+  x86 only (docs/performance.md, *bfloat16 products on a CPU*)."""
+  flags = host.cpu_features()[1]
+  return tuple(name for flag, name in _BFLOAT16_DOTS.items() if flag in flags)
 
 
 def product(a: jax.Array, b: jax.Array, dimension_numbers, precision,
