@@ -50,9 +50,8 @@ def xla_compiler_options(operand_dtype: Any) -> Optional[dict[str, str]]:
           "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
-# /proc/cpuinfo's names for bfloat16 dot instructions: x86's AVX512_BF16
-# and AMX-BF16, Arm's BF16 extension (BFDOT, BFMMLA).
-# The CPU flags of bfloat16 dot instructions, and their names.
+# /proc/cpuinfo's flags for bfloat16 dot instructions, and their names:
+# x86's AMX-BF16 and AVX512_BF16, Arm's BF16 extension (BFDOT, BFMMLA).
 _BFLOAT16_DOTS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512_BF16",
                   "bf16": "BF16"}
 
