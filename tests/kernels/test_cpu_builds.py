@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 CLANG = "clang++"
 needs_clang = pytest.mark.skipif(
     not shutil.which(CLANG),
-    reason="clang++ is not installed (.ci/run installs Debian's clang)")
+    reason="clang++ is not installed (.ci/run installs it)")
 
 
 def test_every_kernel_file_is_built_and_keys_the_cached_build(monkeypatch):
@@ -80,6 +80,19 @@ def test_the_build_is_cached_and_failures_name_the_compiler(
   assert [path.name for path in cache.iterdir()] == [library.name]
 
 
+def _compile_for_errors_only(compiler: str, *flags: str
+                             ) -> subprocess.CompletedProcess:
+  """cpu_build's one translation unit of every kernel source, checked for
+  errors only by compiler with flags (skips where it is not installed)."""
+  if not shutil.which(compiler):
+    pytest.skip(f"{compiler} is not installed (.ci/run installs it)")
+  return subprocess.run(
+      [compiler, *flags, "-fsyntax-only", "-std=c++17", "-w",
+       f"-I{jax.ffi.include_dir()}", "-x", "c++", "-"],
+      input=cpu_build.translation_unit(), capture_output=True, text=True,
+      check=False)
+
+
 @pytest.mark.skipif(platform.machine() != "x86_64",
                     reason="x86 instruction sets")
 @pytest.mark.parametrize("compiler", [os.environ.get("CXX", "c++"), CLANG])
@@ -88,13 +101,7 @@ def test_the_kernels_compile_for_a_cpu_with_amx_and_avx512_fp16(compiler):
   a Sapphire Rapids Xeon (AMX, AVX512_BF16 and AVX512_FP16: the code
   behind those macros, which a build for this machine may leave out), by
   the default compiler and by clang, checked for errors only."""
-  if not shutil.which(compiler):
-    pytest.skip(f"{compiler} is not installed (.ci/run installs clang)")
-  result = subprocess.run(
-      [compiler, "-fsyntax-only", "-std=c++17", "-w", "-march=sapphirerapids",
-       f"-I{jax.ffi.include_dir()}", "-x", "c++", "-"],
-      input=cpu_build.translation_unit(), capture_output=True, text=True,
-      check=False)
+  result = _compile_for_errors_only(compiler, "-march=sapphirerapids")
   if "sapphirerapids" in result.stderr and "march" in result.stderr:
     pytest.skip(f"{compiler} does not know -march=sapphirerapids")
   assert result.returncode == 0, result.stderr[-3000:]
@@ -113,13 +120,7 @@ def test_every_kernel_compiles_for_arm(compiler):
   and by clang (Apple's compiler is a clang; with the cross compiler's
   headers); only the attention kernel's Arm build runs, under qemu,
   below."""
-  if not shutil.which(compiler[0]):
-    pytest.skip(f"{compiler[0]} is not installed (.ci/run installs it)")
-  result = subprocess.run(
-      [*compiler, "-fsyntax-only", "-std=c++17", "-w",
-       "-march=armv8.2-a", f"-I{jax.ffi.include_dir()}", "-x", "c++", "-"],
-      input=cpu_build.translation_unit(), capture_output=True, text=True,
-      check=False)
+  result = _compile_for_errors_only(*compiler, "-march=armv8.2-a")
   assert result.returncode == 0, result.stderr[-3000:]
 
 
