@@ -18,6 +18,7 @@ import pytest
 
 from helpers import run_python
 from vit_jax.kernels import cpu_attention, cpu_build
+from vit_jax.runtime import host
 
 pytestmark = pytest.mark.skipif(
     cpu_attention.problem(jnp.float32, 64) is not None,
@@ -45,6 +46,26 @@ def test_every_kernel_file_is_built_and_keys_the_cached_build(monkeypatch):
       text + "// edited" if path == header else pathlib.Path.read_bytes(
           path).decode()))
   assert key() != before
+
+
+def test_without_proc_cpuinfo_the_cached_build_is_keyed_by_the_cpu_model(
+    tmp_path, monkeypatch):
+  """Where there is no /proc/cpuinfo (macOS), the CPU model that sysctl
+  names keys the cached build: an M3 and an M1 sharing a home directory
+  each get their own -mcpu=native library (the M3's may use instructions
+  the M1 lacks)."""
+  monkeypatch.setattr(host, "CPUINFO", str(tmp_path / "no-cpuinfo"))
+  tools = tmp_path / "bin"
+  tools.mkdir()
+  monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+  sysctl, keys = tools / "sysctl", []
+  for model in ("Apple M3 Pro", "Apple M1"):
+    sysctl.write_text("#!/bin/sh\n[ \"$2\" = machdep.cpu.brand_string ] && "
+                      f"echo '{model}'\n")
+    sysctl.chmod(0o755)
+    assert model in cpu_build._cpu_signature()  # pylint: disable=protected-access
+    keys.append(cpu_build._library_path("c++", ("-O3",)))  # pylint: disable=protected-access
+  assert keys[0] != keys[1]
 
 
 def test_the_build_is_cached_and_failures_name_the_compiler(
