@@ -22,7 +22,7 @@ from vit_jax.checkpoints import orbax_checkpoints, pretrained
 from vit_jax.data import augment, datasets
 from vit_jax.kernels import cpu_gemm, xla_products
 from vit_jax.model import options, variants, vit
-from vit_jax.runtime import sharding
+from vit_jax.runtime import host, sharding
 from vit_jax.training import (budget, budget_tracker, dispatch,
                               metric_writer, optim, steps)
 
@@ -152,7 +152,8 @@ def _log_model(config, spec: config_lib.RunSpec, mesh, state,
       f"({spec.steps_per_epoch} per epoch).")
   for advice in (matmul_dtype_advice(dims.matmul_dtype),
                  matmul_implementation_advice(dims.matmul_implementation,
-                                              dims.matmul_dtype, dims.dtype)):
+                                              dims.matmul_dtype, dims.dtype),
+                 cpu_devices_advice(config.cpu_devices, mesh.size)):
     if advice:
       log(advice)
 
@@ -179,6 +180,25 @@ def matmul_dtype_advice(matmul_dtype: Optional[str]) -> Optional[str]:
             "on Fashion-MNIST (docs/performance.md, *bfloat16 products on a "
             "CPU*); float32 stays the default for its exact numerics.")
   return None
+
+
+def cpu_devices_advice(cpu_devices: int, devices: int) -> Optional[str]:
+  """A line for the log where a device per core (config.cpu_devices=-1)
+  runs on a CPU with cores of two speeds; None elsewhere. Each device takes
+  the same share of the batch, so a step waits on the slower cores."""
+  if jax.default_backend() != "cpu" or cpu_devices != -1 or devices < 2:
+    return None
+  kinds = host.core_kinds()
+  if kinds is None:
+    return None
+  fast, slow = kinds
+  return (f"Note: this CPU has {fast} fast and {slow} slower cores "
+          "(performance and efficiency cores). With a device per core "
+          "(config.cpu_devices=-1) each takes the same share of the batch, so "
+          "every step waits on the slower cores; "
+          f"--config.cpu_devices={fast}, a device per fast core, may train "
+          "faster. Neither has been measured on such a CPU: `python "
+          "benchmarks/cpu_devices.py --config=...` times them here.")
 
 
 def matmul_implementation_advice(requested: str,
