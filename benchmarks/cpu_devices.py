@@ -15,7 +15,7 @@ set. Prints images/s and compile time per process, and ends with
   summary: per_core_over_one_device=1.31 one_device=305.2 per_core=399.8
 
 (medians of the rounds; numbers illustrative). On a CPU with cores of two
-speeds (`host.core_kinds`: performance and efficiency cores) a third
+speeds (`cpu_info.core_kinds`: performance and efficiency cores) a third
 setting, a device per fast core, runs too, and the line ends with its
 per_fast_core=... .
 """
@@ -28,7 +28,7 @@ import sys
 
 from absl import app, flags
 
-from vit_jax.runtime import host
+from vit_jax.runtime import cpu_info, host
 
 _CONFIG = flags.DEFINE_string("config", "configs/vit_fashion_mnist_15min.py",
                               "Config whose train step is measured.")
@@ -72,10 +72,10 @@ def main(argv):
       [f"--config={_CONFIG.value}", f"--rounds={_ROUNDS.value}",
        f"--steps={_STEPS.value}"] + [f"--overrides={override}"
                                      for override in _OVERRIDES.value]))
-  print(f"{host.cpu_cores()} cores; train step of "
+  print(f"{cpu_info.cpu_cores()} cores; train step of "
         f"{_CONFIG.value}, batch 128")
   settings = dict(_SETTINGS)
-  kinds = host.core_kinds()
+  kinds = cpu_info.core_kinds()
   if kinds is not None:  # a device per fast core too (main.py's note)
     print(f"{kinds[0]} fast and {kinds[1]} slower cores")
     settings["per_fast_core"] = str(kinds[0])

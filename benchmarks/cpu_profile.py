@@ -254,14 +254,14 @@ def profiled_steps(step: "throughput.JaxStep", steps: int, trace_dir: str
                    ) -> tuple[StepTimes, str]:
   """Runs `steps` steps under jax.profiler; their times and the trace."""
   import jax  # pylint: disable=import-outside-toplevel
-  from vit_jax.runtime import host  # pylint: disable=import-outside-toplevel
+  from vit_jax.runtime import cpu_info  # pylint: disable=import-outside-toplevel
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
       step()
     times = StepTimes((time.perf_counter() - wall) / steps,
                       (time.process_time() - cpu) / steps,
-                      host.cpu_cores())
+                      cpu_info.cpu_cores())
   trace_path = max(glob.glob(os.path.join(
       trace_dir, "plugins", "profile", "*", "perfetto_trace.json.gz")),
                    key=os.path.getmtime)

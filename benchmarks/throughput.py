@@ -64,7 +64,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -451,20 +450,11 @@ def worker_environment(fast_malloc: bool, max_isa: str,
 
 
 def cpu_description() -> tuple[str, list[str]]:
-  """The CPU's model name and which of `_ISA_FLAGS` it has (Linux
-  /proc/cpuinfo; the flags as `host.cpu_features` reads them)."""
-  from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
-  model = platform.processor() or platform.machine()
-  try:
-    with open(host.CPUINFO) as f:
-      for line in f:
-        key, _, value = line.partition(":")
-        if key.strip() in ("model name", "Model name") and value.strip():
-          model = value.strip()
-  except OSError:
-    pass
-  flags = host.cpu_features()[1]
-  return model, [flag for flag in _ISA_FLAGS if flag in flags]
+  """The CPU's model name and which of `_ISA_FLAGS` it has
+  (`vit_jax.runtime.cpu_info`)."""
+  from vit_jax.runtime import cpu_info  # pylint: disable=g-import-not-at-top
+  flags = cpu_info.cpu_features()[1]
+  return cpu_info.cpu_model(), [flag for flag in _ISA_FLAGS if flag in flags]
 
 
 def machine_load() -> str:
@@ -713,14 +703,14 @@ def main():
   args = parse_args()
   if args.worker:
     run_worker(args)
-  from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
+  from vit_jax.runtime import cpu_info  # pylint: disable=g-import-not-at-top
   env = worker_environment(args.fast_malloc, args.max_isa, args.matmul_dtype)
   started = time.perf_counter()
   race = run_race(args, env)
   cpu_model, isa = cpu_description()
   print(f"\nCommand: {command_line(args)}")
   print("\n".join(setting_lines(args, env, race, cpu_model, isa,
-                                host.cpu_cores())) + "\n")
+                                cpu_info.cpu_cores())) + "\n")
   gemm_rate = race.gemm["torch"]["2048x2048x2048"]
   if args.max_isa == "avx2":
     cpu_model += " capped at AVX2"

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import throughput  # this folder's: the CPU's model and ISA flags
-from vit_jax.runtime import host
+from vit_jax.runtime import cpu_info
 
 _ROWS = flags.DEFINE_integer("rows", 3152, "Tokens (rows) of each matrix: "
                              "ViT-Ti/16 @224's 16 images x 197 per device.")
@@ -84,8 +84,8 @@ def main(argv):
   }
   model, isa = throughput.cpu_description()
   print(f"Command: python benchmarks/vector_width.py {' '.join(sys.argv[1:])}")
-  print(f"CPU: {model} ({host.cpu_features()[0] or 'vendor unknown'}), "
-        f"{host.cpu_cores()} core(s) for this process; {' '.join(isa)}")
+  print(f"CPU: {model} ({cpu_info.cpu_features()[0] or 'vendor unknown'}), "
+        f"{cpu_info.cpu_cores()} core(s) for this process; {' '.join(isa)}")
   ratios = {}
   for name, (fn, args) in cases.items():
     medians = time_widths(fn, args, _REPEATS.value)

@@ -18,7 +18,7 @@ import pytest
 
 from helpers import run_python
 from vit_jax.kernels import cpu_attention, cpu_build
-from vit_jax.runtime import host
+from vit_jax.runtime import cpu_info
 
 pytestmark = pytest.mark.skipif(
     cpu_attention.problem(jnp.float32, 64) is not None,
@@ -54,7 +54,7 @@ def test_without_proc_cpuinfo_the_cached_build_is_keyed_by_the_cpu_model(
   names keys the cached build: an M3 and an M1 sharing a home directory
   each get their own -mcpu=native library (the M3's may use instructions
   the M1 lacks)."""
-  monkeypatch.setattr(host, "CPUINFO", str(tmp_path / "no-cpuinfo"))
+  monkeypatch.setattr(cpu_info, "CPUINFO", str(tmp_path / "no-cpuinfo"))
   tools = tmp_path / "bin"
   tools.mkdir()
   monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")

@@ -13,7 +13,7 @@ import pytest
 
 from vit_jax.kernels import gelu_matmul, matmuls, xla_products
 from vit_jax.model import blocks, vit
-from vit_jax.runtime import host
+from vit_jax.runtime import cpu_info
 
 _DENSE = (((1,), (0,)), ((), ()))
 
@@ -277,5 +277,5 @@ def test_bfloat16_dot_instructions_reads_the_cpu_flags(monkeypatch, tmp_path,
   cpuinfo = tmp_path / "cpuinfo"
   cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Some CPU\n"
                      f"{key}\t\t: {flags}\n\n")
-  monkeypatch.setattr(host, "CPUINFO", str(cpuinfo))
+  monkeypatch.setattr(cpu_info, "CPUINFO", str(cpuinfo))
   assert xla_products.bfloat16_dot_instructions() == expected

@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from helpers import small_config
-from vit_jax.runtime import host
+from vit_jax.runtime import cpu_info, host
 from vit_jax.training import loop
 
 from helpers import ROOT  # pylint: disable=wrong-import-order
@@ -234,7 +234,7 @@ def test_measured_xla_flags_apply_on_the_releases_they_were_measured_on(
   nothing (an unknown flag would abort the process)."""
   flag = "--xla_cpu_experimental_ynn_fusion_type="
   monkeypatch.setattr(host, "jaxlib_release", lambda: release)
-  monkeypatch.setattr(host, "CPUINFO", "/nonexistent/cpuinfo")  # no vendor
+  monkeypatch.setattr(cpu_info, "CPUINFO", "/nonexistent/cpuinfo")  # no vendor
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
   assert host.default_xla_flags() == [flag]
   assert os.environ["XLA_FLAGS"] == (
@@ -267,8 +267,8 @@ def test_xla_kernels_take_512_bit_vectors_on_intel_avx512_only(
   flag is added; on AMD's AVX-512 and without AVX-512 it is not; a user's
   own width is kept."""
   monkeypatch.setattr(host, "jaxlib_release", lambda: "0.10")
-  monkeypatch.setattr(host, "CPUINFO", _cpuinfo(tmp_path, vendor, flags))
-  assert host.cpu_features() == (vendor, frozenset(flags.split()))
+  monkeypatch.setattr(cpu_info, "CPUINFO", _cpuinfo(tmp_path, vendor, flags))
+  assert cpu_info.cpu_features() == (vendor, frozenset(flags.split()))
   monkeypatch.setenv("XLA_FLAGS", "")
   width = "--xla_cpu_prefer_vector_width=512"
   assert (width in host.default_xla_flags()) is wide
@@ -290,7 +290,7 @@ def test_an_isa_cap_below_avx512_takes_no_512_bit_vectors(
   for an AVX2-only CPU) gets what such a CPU gets: no 512-bit preference;
   the last cap is the one XLA reads."""
   monkeypatch.setattr(host, "jaxlib_release", lambda: "0.10")
-  monkeypatch.setattr(host, "CPUINFO", _cpuinfo(
+  monkeypatch.setattr(cpu_info, "CPUINFO", _cpuinfo(
       tmp_path, "GenuineIntel", "fpu avx2 fma avx512f avx512bw"))
   monkeypatch.setenv("XLA_FLAGS", cap)
   width = "--xla_cpu_prefer_vector_width=512"
@@ -298,66 +298,8 @@ def test_an_isa_cap_below_avx512_takes_no_512_bit_vectors(
   assert os.environ["XLA_FLAGS"].startswith(cap)
 
 
-def test_cpu_features_without_cpuinfo_are_empty(monkeypatch):
-  monkeypatch.setattr(host, "CPUINFO", "/nonexistent/cpuinfo")
-  assert host.cpu_features() == ("", frozenset())
-
-
 def test_jaxlib_release_is_the_installed_minor_release():
   import jaxlib  # pylint: disable=import-outside-toplevel
   major, minor = jaxlib.__version__.split(".")[:2]
   assert host.jaxlib_release() == f"{major}.{minor}"
 
-
-def _sysfs(root, files: dict[str, str]) -> None:
-  for path, text in files.items():
-    (root / path).parent.mkdir(parents=True, exist_ok=True)
-    (root / path).write_text(text + "\n")
-
-
-@pytest.mark.parametrize("files,allowed,kinds", [
-    # A hybrid Intel CPU: performance cores (two threads each), then
-    # efficiency cores; as this process's affinity mask admits them.
-    ({"cpu_core/cpus": "0-7", "cpu_atom/cpus": "8-11"}, range(12), (8, 4)),
-    ({"cpu_core/cpus": "0-3,6", "cpu_atom/cpus": "4-5,7"}, [0, 1, 5], (2, 1)),
-    ({"cpu_core/cpus": "0-7", "cpu_atom/cpus": "8-11"}, [0, 1], None),
-    # Arm's big.LITTLE: each core's relative capacity.
-    ({f"system/cpu/cpu{i}/cpu_capacity": c for i, c in
-      enumerate(["1024", "1024", "446", "446", "446"])}, range(5), (2, 3)),
-    # Alike cores (this x86 VM's kernel writes 1024 for each), or no sysfs.
-    ({f"system/cpu/cpu{i}/cpu_capacity": "1024" for i in range(4)},
-     range(4), None),
-    ({}, range(4), None)])
-def test_core_kinds_counts_the_fast_and_slower_cores_linux_lists(
-    tmp_path, monkeypatch, files, allowed, kinds):
-  _sysfs(tmp_path, files)
-  monkeypatch.setattr(host, "SYSFS_DEVICES", str(tmp_path))
-  monkeypatch.setattr(sys, "platform", "linux")
-  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(allowed))
-  assert host.core_kinds() == kinds
-
-
-@pytest.mark.parametrize("values,kinds", [
-    ({"hw.nperflevels": 2, "hw.perflevel0.logicalcpu": 8,
-      "hw.logicalcpu": 12}, (8, 4)),  # an M3 Pro's 8 + 4
-    ({"hw.nperflevels": 1, "hw.logicalcpu": 8}, None),
-    ({}, None)])  # no sysctl
-def test_core_kinds_on_macos_reads_the_performance_levels(monkeypatch, values,
-                                                          kinds):
-  monkeypatch.setattr(sys, "platform", "darwin")
-  monkeypatch.setattr(host, "_sysctl", values.get)
-  assert host.core_kinds() == kinds
-
-
-def test_the_log_advises_a_device_per_fast_core_on_a_hybrid_cpu(monkeypatch):
-  """A device per core on a CPU with cores of two speeds gets a note naming
-  the fast cores' count as cpu_devices; anything else, nothing."""
-  from vit_jax.training import run  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(host, "core_kinds", lambda: (8, 4))
-  note = run.cpu_devices_advice(-1, 12)
-  assert note.startswith("Note: this CPU has 8 fast and 4 slower cores")
-  assert "--config.cpu_devices=8" in note
-  assert run.cpu_devices_advice(0, 1) is None  # one device: nothing to wait on
-  assert run.cpu_devices_advice(8, 8) is None  # the user chose a count
-  monkeypatch.setattr(host, "core_kinds", lambda: None)
-  assert run.cpu_devices_advice(-1, 2) is None

@@ -138,6 +138,21 @@ def test_the_log_advises_on_matmul_dtype_by_the_cpus_dot_instructions(
     assert advice.startswith(("Warning", "Note")) and says in advice
 
 
+def test_the_log_advises_a_device_per_fast_core_on_a_hybrid_cpu(monkeypatch):
+  """A device per core on a CPU with cores of two speeds gets a note naming
+  the fast cores' count as cpu_devices; anything else, nothing."""
+  from vit_jax.runtime import cpu_info  # pylint: disable=import-outside-toplevel
+  from vit_jax.training import run  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(cpu_info, "core_kinds", lambda: (8, 4))
+  note = run.cpu_devices_advice(-1, 12)
+  assert note.startswith("Note: this CPU has 8 fast and 4 slower cores")
+  assert "--config.cpu_devices=8" in note
+  assert run.cpu_devices_advice(0, 1) is None  # one device: nothing to wait on
+  assert run.cpu_devices_advice(8, 8) is None  # the user chose a count
+  monkeypatch.setattr(cpu_info, "core_kinds", lambda: None)
+  assert run.cpu_devices_advice(-1, 2) is None
+
+
 def test_the_log_names_why_onednn_cannot_run_where_auto_would_take_it(
     monkeypatch):
   from vit_jax.kernels import cpu_gemm  # pylint: disable=import-outside-toplevel

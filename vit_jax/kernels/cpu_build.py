@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.extend import core
 from jax.interpreters import batching, mlir
 
-from vit_jax.runtime import host
+from vit_jax.runtime import cpu_info
 
 _CSRC = pathlib.Path(__file__).parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in (
@@ -67,24 +67,12 @@ def cache_dir() -> pathlib.Path:
 
 
 def _cpu_signature() -> str:
-  """What -march=native compiles for: the CPU's model and feature flags
-  (Linux's /proc/cpuinfo); without it, the model that sysctl names (macOS:
-  e.g. "Apple M3 Pro", whose library an M1 sharing the cache must not
-  load), else the processor's architecture."""
-  try:
-    with open(host.CPUINFO) as cpuinfo:
-      lines = [line for line in cpuinfo
-               if line.startswith(("model name", "flags", "Features"))]
-    return "".join(sorted(set(lines)))
-  except OSError:
-    pass
-  try:
-    model = subprocess.run(
-        ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
-        text=True, check=True, timeout=10).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    model = ""
-  return f"{model} {platform.processor()}"
+  """What -march=native compiles for: the CPU's model and feature flags.
+  Where there are no flags to read (macOS), the model alone: an M1 sharing
+  the cache must not load an M3's library, which may use instructions it
+  lacks."""
+  vendor, flags = cpu_info.cpu_features()
+  return " ".join([cpu_info.cpu_model(), vendor, *sorted(flags)])
 
 
 def target_flags() -> list[tuple[str, ...]]:

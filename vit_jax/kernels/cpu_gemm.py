@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from vit_jax.kernels import cpu_build
-from vit_jax.runtime import host
+from vit_jax.runtime import cpu_info
 
 DISTRIBUTION = "onednn-cpu-gomp"
 LIBRARY = "libdnnl.so.3"
@@ -98,7 +98,7 @@ def tasks_per_device() -> int:
   """The parts each product is split into: the cores each CPU device has
   (1 with a device per core, vit_jax's default; all of them for one
   device)."""
-  return max(1, host.cpu_cores() // max(1, jax.local_device_count("cpu")))
+  return max(1, cpu_info.cpu_cores() // max(1, jax.local_device_count("cpu")))
 
 
 _ROWS_TIMES = cpu_build.batch_partitionable(

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from vit_jax.kernels import cpu_build, cpu_transpose
-from vit_jax.runtime import host
+from vit_jax.runtime import cpu_info, host
 
 _OVER_ROWS = (((0,), (0,)), ((), ()))  # contract the first axes: a^T b
 
@@ -61,7 +61,7 @@ def bfloat16_dot_instructions() -> tuple[str, ...]:
   AVX512_BF16 and AMX-BF16, Arm's BF16; from /proc/cpuinfo), () if none:
   bfloat16 operands need them to be faster than float32 ones. Measured on
   x86 only (docs/performance.md, *bfloat16 products on a CPU*)."""
-  flags = host.cpu_features()[1]
+  flags = cpu_info.cpu_features()[1]
   return tuple(name for flag, name in _BFLOAT16_DOTS.items() if flag in flags)
 
 

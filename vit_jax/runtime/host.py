@@ -37,14 +37,14 @@ documented in docs/performance.md ("Speed on a CPU"):
 """
 
 import ctypes.util
-import glob
 import logging
 import os
 import platform
 import re
-import subprocess
 import sys
 from typing import Mapping, Optional, Sequence
+
+from vit_jax.runtime import cpu_info
 
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 # gperftools' tcmalloc without the heap profiler; its soname is what
@@ -109,30 +109,10 @@ _XLA_CPU_FLAGS = {"0.10": _NO_YNNPACK_FUSIONS, "0.11": _NO_YNNPACK_FUSIONS,
                   "0.12": _NO_YNNPACK_FUSIONS}
 
 
-# Where the CPU's vendor and feature flags are read (Linux).
-CPUINFO = "/proc/cpuinfo"
 # 512-bit vectors for XLA's generated kernels: measured faster on an Intel
 # Xeon with AVX-512 (two 512-bit FMA units a core), slower on an AMD EPYC's
 # (docs/performance.md, *XLA's kernels at 512-bit vectors*).
 _WIDE_VECTORS = ("--xla_cpu_prefer_vector_width=512",)
-
-
-def cpu_features() -> tuple[str, frozenset[str]]:
-  """(vendor, feature flags) of this host's CPU from /proc/cpuinfo, e.g.
-  ("GenuineIntel", {"avx2", "avx512f", ...}); ("", {}) where it cannot be
-  read (not Linux)."""
-  vendor, flags = "", frozenset()
-  try:
-    with open(CPUINFO) as cpuinfo:
-      for line in cpuinfo:
-        key, _, value = line.partition(":")
-        if key.strip() == "vendor_id" and not vendor:
-          vendor = value.strip()
-        elif key.strip() in ("flags", "Features") and not flags:
-          flags = frozenset(value.split())
-  except OSError:
-    pass
-  return vendor, flags
 
 
 def _capped_below_avx512(xla_flags: str) -> bool:
@@ -145,7 +125,7 @@ def _capped_below_avx512(xla_flags: str) -> bool:
 
 
 def _flags_for_this_cpu(xla_flags: str) -> tuple[str, ...]:
-  vendor, flags = cpu_features()
+  vendor, flags = cpu_info.cpu_features()
   return _WIDE_VECTORS if (vendor == "GenuineIntel" and "avx512f" in flags
                            and not _capped_below_avx512(xla_flags)) else ()
 
@@ -188,89 +168,11 @@ def _jax_backend_started() -> bool:
   return xla_bridge.backends_are_initialized()
 
 
-def cpu_cores() -> int:
-  """Cores this process may run on."""
-  if hasattr(os, "sched_getaffinity"):
-    return len(os.sched_getaffinity(0))
-  return os.cpu_count() or 1
-
-
-# Where Linux says which CPUs are which kind: a hybrid Intel CPU's
-# performance (cpu_core) and efficiency (cpu_atom) cores; each core's
-# relative capacity on Arm (big.LITTLE, DynamIQ).
-SYSFS_DEVICES = "/sys/devices"
-
-
-def _cpu_list(text: str) -> set[int]:
-  """The CPUs of a sysfs CPU list such as "0-3,8,10-11"."""
-  cpus = set()
-  for part in filter(None, text.strip().split(",")):
-    first, _, last = part.partition("-")
-    cpus.update(range(int(first), int(last or first) + 1))
-  return cpus
-
-
-def _read(path: str) -> Optional[str]:
-  try:
-    with open(path) as f:
-      return f.read()
-  except OSError:
-    return None
-
-
-def _linux_core_kinds() -> Optional[tuple[set[int], set[int]]]:
-  """(fast CPUs, slower CPUs) from sysfs, or None if all are alike."""
-  fast = _read(os.path.join(SYSFS_DEVICES, "cpu_core", "cpus"))
-  slow = _read(os.path.join(SYSFS_DEVICES, "cpu_atom", "cpus"))
-  if fast is not None and slow is not None:
-    return _cpu_list(fast), _cpu_list(slow)
-  capacities = {}
-  for path in glob.glob(os.path.join(SYSFS_DEVICES, "system", "cpu",
-                                     "cpu[0-9]*", "cpu_capacity")):
-    text = _read(path)
-    if text and text.strip().isdigit():
-      cpu = int(os.path.basename(os.path.dirname(path))[3:])
-      capacities[cpu] = int(text)
-  if len(set(capacities.values())) < 2:
-    return None
-  top = max(capacities.values())
-  return ({cpu for cpu, c in capacities.items() if c == top},
-          {cpu for cpu, c in capacities.items() if c < top})
-
-
-def _sysctl(name: str) -> Optional[int]:
-  try:
-    return int(subprocess.run(["sysctl", "-n", name], capture_output=True,
-                              text=True, check=True, timeout=10).stdout)
-  except (OSError, ValueError, subprocess.SubprocessError):
-    return None
-
-
-def core_kinds() -> Optional[tuple[int, int]]:
-  """(fast, slower): this process's cores on a CPU with cores of two kinds
-  (Intel's performance and efficiency cores, Arm's big and LITTLE, Apple's
-  performance levels), from Linux's sysfs or macOS's sysctl; None where
-  the cores are alike or it cannot tell."""
-  if sys.platform == "darwin":
-    if (_sysctl("hw.nperflevels") or 1) < 2:
-      return None
-    fast, total = _sysctl("hw.perflevel0.logicalcpu"), _sysctl(
-        "hw.logicalcpu")
-    return (fast, total - fast) if fast and total and total > fast else None
-  kinds = _linux_core_kinds()
-  if kinds is None:
-    return None
-  allowed = (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
-             else kinds[0] | kinds[1])
-  fast, slow = len(kinds[0] & allowed), len(kinds[1] & allowed)
-  return (fast, slow) if fast and slow else None
-
-
 def per_core_device_count(batch_sizes: Sequence[int] = (),
                           cores: Optional[int] = None) -> int:
   """A device per core (`cores`, default: this process's), or the most
   devices below that which split every one of `batch_sizes` evenly."""
-  cores = cores or cpu_cores()
+  cores = cores or cpu_info.cpu_cores()
   return max(count for count in range(1, cores + 1)
              if all(size % count == 0 for size in batch_sizes))
 

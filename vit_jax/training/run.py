@@ -22,7 +22,7 @@ from vit_jax.checkpoints import orbax_checkpoints, pretrained
 from vit_jax.data import augment, datasets
 from vit_jax.kernels import cpu_gemm, xla_products
 from vit_jax.model import options, variants, vit
-from vit_jax.runtime import host, sharding
+from vit_jax.runtime import cpu_info, sharding
 from vit_jax.training import (budget, budget_tracker, dispatch,
                               metric_writer, optim, steps)
 
@@ -188,7 +188,7 @@ def cpu_devices_advice(cpu_devices: int, devices: int) -> Optional[str]:
   the same share of the batch, so a step waits on the slower cores."""
   if jax.default_backend() != "cpu" or cpu_devices != -1 or devices < 2:
     return None
-  kinds = host.core_kinds()
+  kinds = cpu_info.core_kinds()
   if kinds is None:
     return None
   fast, slow = kinds
