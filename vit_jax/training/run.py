@@ -172,10 +172,10 @@ def matmul_dtype_advice(matmul_dtype: Optional[str]) -> Optional[str]:
             "Unset it here.")
   if (matmul_dtype is None and dots
       and platform.machine().lower() in ("x86_64", "amd64")):
-    return (f"Note: this CPU has bfloat16 dot instructions "
+    return ("Note: this CPU has bfloat16 dot instructions "
             f"({', '.join(dots)}). --config.model.matmul_dtype=bfloat16 "
-            "rounds the encoder's "
-            "matmul operands to bfloat16 (float32 sums and activations) and "
+            "rounds the encoder's matmul operands to bfloat16 (float32 sums "
+            "and activations) and "
             "trained 1.15-1.7x faster on such CPUs, with the same accuracy "
             "on Fashion-MNIST (docs/performance.md, *bfloat16 products on a "
             "CPU*); float32 stays the default for its exact numerics.")
