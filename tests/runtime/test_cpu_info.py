@@ -65,5 +65,6 @@ def test_core_kinds_counts_the_fast_and_slower_cores_linux_lists(
 def test_core_kinds_on_macos_reads_the_performance_levels(monkeypatch, values,
                                                           kinds):
   monkeypatch.setattr(sys, "platform", "darwin")
-  monkeypatch.setattr(cpu_info, "sysctl", lambda name: None if name not in values else str(values[name]))
+  answers = {name: str(value) for name, value in values.items()}
+  monkeypatch.setattr(cpu_info, "sysctl", answers.get)
   assert cpu_info.core_kinds() == kinds
