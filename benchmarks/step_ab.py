@@ -214,7 +214,7 @@ def free_part(part: str):
 
 
 _MODEL = flags.DEFINE_enum("model", "ViT-Ti/16@224",
-                           ["ViT-Ti/16@224", "vit_tiny_cifar"],
+                           list(throughput.MODELS),
                            "Workload, as in benchmarks/throughput.py.")
 _A = flags.DEFINE_string("a", "{}", "Variant A's model fields (JSON).")
 _B = flags.DEFINE_string("b", "{}", "Variant B's model fields (JSON).")
@@ -249,7 +249,7 @@ _CPU_DEVICES = flags.DEFINE_integer(
 
 def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
                     attention_core: str, xla_options: dict, free: str,
-                    size: int, patch: int, images, labels, mesh):
+                    size: int, dims: dict, images, labels, mesh):
   """(compiled train step, its train state, seconds of trace + lowering +
   compilation) for one variant."""
   # The blocks are traced once and cached by jit: a new softmax or kernel
@@ -269,8 +269,7 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
   if free == "layer_norm":  # replaces Flax's LayerNorm, not the C++ kernel
     fields = dict({"layer_norm_implementation": "xla"}, **fields)
   model = vit.VisionTransformer(num_classes=throughput.NUM_CLASSES,
-                                   patch_size=patch,
-                                   **dict(throughput.DIMS, **fields))
+                                **dict(dims, **fields))
   state = steps.create_train_state(model, (size, size, 3), optim.adamw(
       1e-3, weight_decay=0.05), 0, mesh)
   # bfloat16 products take YNNPACK for their dots, as in the trainer.
@@ -291,7 +290,8 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
 
 def main(argv):
   del argv
-  size, patch, batch, _ = throughput.MODELS[_MODEL.value]
+  raced = throughput.MODELS[_MODEL.value]
+  size, batch = raced.image_size, raced.train_batch
   # Before JAX starts its backend (importing it does not).
   host.split_cpu_into_devices(_CPU_DEVICES.value, (batch,))
   mesh = sharding.make_mesh()
@@ -310,7 +310,8 @@ def main(argv):
              xla_options, free) in settings.items():
     compiled, state, compile_s = compile_variant(
         json.loads(fields), softmax, kernel_gradient, attention_core,
-        json.loads(xla_options), free, size, patch, images, labels, mesh)
+        json.loads(xla_options), free, size, raced.dims(), images, labels,
+        mesh)
     variants[name] = dict(compiled=compiled, state=state,
                           compile_s=compile_s, times=[],
                           temp_mib=compiled.memory_analysis()

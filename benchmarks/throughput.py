@@ -6,12 +6,16 @@ r"""Training and inference speed of vit_jax against timm and torchvision.
   python benchmarks/throughput.py --cpu_devices=0   # vit_jax on one device
   python benchmarks/throughput.py --max_isa=avx2    # as an AVX2-only CPU
   python benchmarks/throughput.py --matmul_dtype=bfloat16   # bf16 products
+  python benchmarks/throughput.py --models=ViT-S/16@224,ViT-B/16@224
 
 Two models with identical dims in every library, float32 on CPU:
   vit_tiny_cifar   32x32x3, patch 4, width 192, 12 layers, 3 heads, MLP 768
   ViT-Ti/16 @224   224x224x3, patch 16, same width/depth/heads/MLP
 Train step = forward + backward + AdamW update (batch 128 / 32); inference =
-forward (batch 256 / 64). vit_jax runs as configs/vit_tiny_cifar.py runs it
+forward (batch 256 / 64). --models races others instead: ViT-S/16 @224
+(width 384, 6 heads, MLP 1536) and ViT-B/16 @224 (the paper's base: width
+768, 12 heads, MLP 3072), batches 32 / 64; the summary's cpu="…" then
+names them (~35 minutes for both on 2 cores). vit_jax runs as configs/vit_tiny_cifar.py runs it
 on a CPU (config.cpu_devices=-1): a device per core, each taking part of the
 batch; PyTorch uses the same cores as intra-op threads.
 Every measurement runs in a fresh process
@@ -72,12 +76,35 @@ import time
 
 import numpy as np
 
+@dataclasses.dataclass(frozen=True)
+class RacedModel:
+  """A model the race runs: its image size, vit_jax's variant (the dims
+  every library builds) and the batches of a train and an inference step."""
+  image_size: int
+  variant: str
+  train_batch: int
+  infer_batch: int
+
+  def dims(self) -> dict:
+    """patch_size, hidden_size, num_layers, num_heads and mlp_dim, from
+    vit_jax's variant table."""
+    from vit_jax.model import variants  # pylint: disable=import-outside-toplevel
+    return dict(variants.VARIANTS[self.variant])
+
+  def batch(self, mode: str) -> int:
+    return self.train_batch if mode == "train" else self.infer_batch
+
+
 MODELS = {
-    # name: (image size, patch size, train batch, inference batch)
-    "vit_tiny_cifar": (32, 4, 128, 256),
-    "ViT-Ti/16@224": (224, 16, 32, 64),
+    "vit_tiny_cifar": RacedModel(32, "ViT-Ti/4", 128, 256),
+    "ViT-Ti/16@224": RacedModel(224, "ViT-Ti/16", 32, 64),
+    # Wider models, raced on request (--models): the paper's ViT-B/16 is
+    # what most users fine-tune.
+    "ViT-S/16@224": RacedModel(224, "ViT-S/16", 32, 64),
+    "ViT-B/16@224": RacedModel(224, "ViT-B/16", 32, 64),
 }
-DIMS = dict(hidden_size=192, num_layers=12, num_heads=3, mlp_dim=768)
+# The models of issue 47's targets: the default race and its summary line.
+DEFAULT_MODELS = ("vit_tiny_cifar", "ViT-Ti/16@224")
 TORCH_IMPLS = ("timm", "timm+compile", "torchvision", "torchvision+compile")
 NUM_CLASSES = 10
 # --matmul_dtype reaches every worker through this variable.
@@ -101,8 +128,7 @@ DENSE_ROWS = 32 * 197  # ViT-Ti/16 @224's train batch x tokens
 
 def worker_batch(model_name: str, mode: str, batch=None) -> int:
   """The batch a worker times: `batch` if given, else the model's."""
-  _, _, train_batch, infer_batch = MODELS.get(model_name, (0, 0, 0, 0))
-  return batch or (train_batch if mode == "train" else infer_batch)
+  return batch or MODELS[model_name].batch(mode)
 
 
 def time_steps(run, steps: int) -> float:
@@ -151,16 +177,17 @@ class JaxStep:
     from vit_jax.runtime import sharding
     from vit_jax.training import optim, steps
 
-    size, patch, _, _ = MODELS.get(model_name, (0, 0, 0, 0))
-    size, patch = image_size or size, patch_size or patch
-    self.mode, self.image_size, self.patch_size = mode, size, patch
+    dims = MODELS[model_name].dims()
+    dims["patch_size"] = patch_size or dims["patch_size"]
+    dims["num_layers"] = num_layers or dims["num_layers"]
+    size = image_size or MODELS[model_name].image_size
+    self.mode, self.image_size, self.patch_size = mode, size, dims[
+        "patch_size"]
     self.batch = worker_batch(model_name, mode, batch)
-    dims = dict(DIMS, num_layers=num_layers or DIMS["num_layers"])
     self.matmul_dtype = bench_matmul_dtype()
     options = xla_products.xla_compiler_options(self.matmul_dtype)
     self.model = vit.VisionTransformer(
-        num_classes=NUM_CLASSES, patch_size=patch,
-        matmul_dtype=self.matmul_dtype, **dims)
+        num_classes=NUM_CLASSES, matmul_dtype=self.matmul_dtype, **dims)
     rng = np.random.default_rng(0)
     self.mesh = sharding.make_mesh()  # one device unless --cpu_devices splits
     self.images, self.labels = jax.device_put(
@@ -238,21 +265,22 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
 def torch_worker(impl: str, model_name: str, mode: str, steps: int) -> dict:
   """timm's or torchvision's ViT with the same dims, eager or compiled."""
   import torch
-  size, patch, _, _ = MODELS[model_name]
+  size, dims = MODELS[model_name].image_size, MODELS[model_name].dims()
   batch = worker_batch(model_name, mode)
   if impl.startswith("timm"):
     import timm
     model = timm.models.vision_transformer.VisionTransformer(
-        img_size=size, patch_size=patch, num_classes=NUM_CLASSES,
-        embed_dim=DIMS["hidden_size"], depth=DIMS["num_layers"],
-        num_heads=DIMS["num_heads"], mlp_ratio=DIMS["mlp_dim"] /
-        DIMS["hidden_size"])
+        img_size=size, patch_size=dims["patch_size"], num_classes=NUM_CLASSES,
+        embed_dim=dims["hidden_size"], depth=dims["num_layers"],
+        num_heads=dims["num_heads"], mlp_ratio=dims["mlp_dim"] /
+        dims["hidden_size"])
   else:
     import torchvision
     model = torchvision.models.VisionTransformer(
-        image_size=size, patch_size=patch, num_layers=DIMS["num_layers"],
-        num_heads=DIMS["num_heads"], hidden_dim=DIMS["hidden_size"],
-        mlp_dim=DIMS["mlp_dim"], num_classes=NUM_CLASSES)
+        image_size=size, patch_size=dims["patch_size"],
+        num_layers=dims["num_layers"], num_heads=dims["num_heads"],
+        hidden_dim=dims["hidden_size"], mlp_dim=dims["mlp_dim"],
+        num_classes=NUM_CLASSES)
   images = torch.rand(batch, 3, size, size)
   labels = torch.randint(0, NUM_CLASSES, (batch,))
   forward = torch.compile(model) if impl.endswith("+compile") else model
@@ -462,6 +490,17 @@ def machine_load() -> str:
     return " ".join(f.read().split()[:3])
 
 
+def _model_names(text: str) -> tuple[str, ...]:
+  """--models' value: known model names, comma-separated."""
+  names = tuple(name.strip() for name in text.split(",") if name.strip())
+  unknown = [name for name in names if name not in MODELS]
+  if unknown or not names:
+    raise argparse.ArgumentTypeError(
+        f"unknown model(s) {', '.join(unknown) or '(none given)'}; choose "
+        f"from {', '.join(MODELS)}")
+  return names
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -488,6 +527,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                       default="float32",
                       help="bfloat16: vit_jax's bfloat16 products against "
                       "PyTorch's CPU autocast")
+  parser.add_argument("--models", type=_model_names,
+                      default=DEFAULT_MODELS,
+                      help="comma-separated models to race, of "
+                      f"{', '.join(MODELS)}")
   parser.add_argument("--growth", action="store_true",
                       help="also the cost-growth table (~4 more minutes)")
   return parser.parse_args(argv)
@@ -513,7 +556,9 @@ def run_worker(args: argparse.Namespace) -> None:
   os._exit(0)  # skips tearing down torch or JAX: up to ~1.3 s a worker
 
 
-WORKLOADS = [(model, mode) for model in MODELS for mode in ("train", "infer")]
+def workloads(models) -> list[tuple[str, str]]:
+  """(model, mode) pairs: each model's training, then its inference."""
+  return [(model, mode) for model in models for mode in ("train", "infer")]
 
 
 @dataclasses.dataclass
@@ -526,6 +571,11 @@ class Race:
   gemm: dict
   per_core: dict
   loads: list
+
+  @property
+  def models(self) -> list[str]:
+    """The raced models, in the order raced."""
+    return list(dict.fromkeys(model for model, _, _ in self.results))
 
   def rate(self, key) -> float:
     """Mean images/s of a (model, mode, impl)'s rounds."""
@@ -554,11 +604,11 @@ def run_race(args: argparse.Namespace, env: dict) -> Race:
   loads = [machine_load()]
   gemm, per_core = gemm_runs()
   results = {}
-  for model, mode in WORKLOADS:
+  for model, mode in workloads(args.models):
     for impl in ("vit_jax",) + TORCH_IMPLS:
       results[model, mode, impl] = [spawn(worker_args(impl, model, mode), env)]
   loads.append(machine_load())
-  for model, mode in WORKLOADS:
+  for model, mode in workloads(args.models):
     fastest = max(TORCH_IMPLS, key=lambda impl, m=model, o=mode:
                   results[m, o, impl][0]["images_per_s"])
     for impl in (fastest, "vit_jax"):
@@ -580,6 +630,8 @@ def command_line(args: argparse.Namespace) -> str:
       "" if args.steps == 5 else f" --steps={args.steps}",
       " --max_isa=avx2" if args.max_isa == "avx2" else "",
       " --matmul_dtype=bfloat16" if args.matmul_dtype == "bfloat16" else "",
+      "" if args.models == DEFAULT_MODELS
+      else f" --models={','.join(args.models)}",
       " --growth" if args.growth else ""]
   return "python benchmarks/throughput.py" + "".join(options)
 
@@ -616,7 +668,7 @@ def setting_lines(args: argparse.Namespace, env: dict, race: Race,
           f"{dense['torch'][product]:.0f} "
           f"({dense['jax'][product] / dense['torch'][product]:.2f})"
           for product in DENSE_PRODUCTS))
-  first_jax = race.results[WORKLOADS[0] + ("vit_jax",)][0]
+  first_jax = race.results[race.models[0], "train", "vit_jax"][0]
   lines.append(f"vit_jax's XLA flags (vit_jax/runtime/host.py): "
                f"{first_jax['xla_flags']}")
   lines.append(f"malloc, every worker: GLIBC_TUNABLES="
@@ -641,7 +693,7 @@ def results_table(race: Race, gemm_rate: float) -> list[str]:
   header = ("| workload | impl | images/s | GFLOP/s | % GEMM | vs fastest "
             "PyTorch | compile s | peak RSS MiB |")
   lines = [header, "|" + "---|" * (header.count("|") - 1)]
-  for model, mode in WORKLOADS:
+  for model, mode in workloads(race.models):
     flops = race.results[model, mode, "vit_jax"][0]["flops_per_image"]
     for impl in ("vit_jax",) + TORCH_IMPLS:
       key = (model, mode, impl)
@@ -663,10 +715,9 @@ def summary_line(race: Race, gemm_rate: float, cpu_model: str) -> str:
   fraction and the slowest vit_jax train-step compile."""
   ratios = {mode: min(race.rate((model, mode, "vit_jax"))
                       / race.fastest_torch(model, mode)
-                      for model, workload_mode in WORKLOADS
-                      if workload_mode == mode)
+                      for model in race.models)
             for mode in ("train", "infer")}
-  trains = [(model, "train", "vit_jax") for model in MODELS]
+  trains = [(model, "train", "vit_jax") for model in race.models]
   gemm_fraction = min(race.rate(key) * race.results[key][0]["flops_per_image"]
                       / 1e9 / gemm_rate for key in trains)
   compile_s = max(r["compile_s"] for key in trains
@@ -717,6 +768,8 @@ def main():
   if args.matmul_dtype == "bfloat16":  # the fraction of the bf16 rate
     gemm_rate = race.gemm["torch"]["bf16 2048x2048x2048"]
     cpu_model += ", bfloat16 products vs torch autocast"
+  if args.models != DEFAULT_MODELS:
+    cpu_model += f", models {' '.join(args.models)}"
   print("\n".join(results_table(race, gemm_rate)))
   if args.growth:
     print("\n" + "\n".join(growth_lines(env)))

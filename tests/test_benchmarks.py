@@ -542,6 +542,43 @@ def test_throughput_command_line_reruns_the_race():
           == "python benchmarks/throughput.py " + " ".join(argv))
 
 
+def test_throughput_races_the_models_asked_for(capsys):
+  """--models picks the raced models (the default: issue 47's two); the
+  command line names them; an unknown name is refused with the choices;
+  a race's table and summary cover the models it ran, with the paper's
+  Table 1 dims for ViT-B/16."""
+  throughput = _benchmark_module("throughput")
+  assert throughput.parse_args([]).models == ("vit_tiny_cifar",
+                                              "ViT-Ti/16@224")
+  argv = ["--models=ViT-S/16@224,ViT-B/16@224"]
+  args = throughput.parse_args(argv)
+  assert args.models == ("ViT-S/16@224", "ViT-B/16@224")
+  assert (throughput.command_line(args)
+          == "python benchmarks/throughput.py " + argv[0])
+  with pytest.raises(SystemExit):
+    throughput.parse_args(["--models=ViT-B/16@224,ViT-X/3"])
+  assert "unknown model(s) ViT-X/3; choose from" in capsys.readouterr().err
+  base = throughput.MODELS["ViT-B/16@224"]
+  assert (base.image_size, base.train_batch, base.infer_batch) == (224, 32,
+                                                                   64)
+  assert base.dims() == dict(patch_size=16, hidden_size=768, num_layers=12,
+                             num_heads=12, mlp_dim=3072)
+  worker = lambda rate: {"images_per_s": rate, "compile_s": 9.0,
+                         "peak_rss_mib": 1.0, "flops_per_image": 1e11}
+  results = {}
+  for mode, jax_rate in (("train", 2.0), ("infer", 6.0)):
+    for impl in ("vit_jax",) + throughput.TORCH_IMPLS:
+      results["ViT-B/16@224", mode, impl] = [
+          worker(jax_rate if impl == "vit_jax" else 1.6)]
+  race = throughput.Race(results, {}, {}, [])
+  assert race.models == ["ViT-B/16@224"]
+  assert len(throughput.results_table(race, 200.0)) == 2 + 2 * 5
+  assert throughput.summary_line(race, 200.0, "CPU, models ViT-B/16@224") == (
+      'summary: train_vs_timm=1.25 infer_vs_timm=3.75 '
+      'train_gemm_fraction=1.00 compile_s=9.0 '
+      'cpu="CPU, models ViT-B/16@224"')
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["train", "infer"])
 def test_gpu_flags_benchmark_compares_its_variants(mode):
