@@ -15,7 +15,7 @@ Train step = forward + backward + AdamW update (batch 128 / 32); inference =
 forward (batch 256 / 64). --models races others instead: ViT-S/16 @224
 (width 384, 6 heads, MLP 1536) and ViT-B/16 @224 (the paper's base: width
 768, 12 heads, MLP 3072), batches 32 / 64; the summary's cpu="…" then
-names them (~35 minutes for both on 2 cores). vit_jax runs as configs/vit_tiny_cifar.py runs it
+names them (45 minutes for both on 2 cores). vit_jax runs as configs/vit_tiny_cifar.py runs it
 on a CPU (config.cpu_devices=-1): a device per core, each taking part of the
 batch; PyTorch uses the same cores as intra-op threads.
 Every measurement runs in a fresh process
@@ -306,8 +306,10 @@ def torch_worker(impl: str, model_name: str, mode: str, steps: int) -> dict:
   run()  # eager warm-up, or torch.compile's compilation
   first = time.perf_counter() - start
   seconds = time_steps(run, steps)
-  return {"images_per_s": batch / seconds, "compile_s": first - seconds,
-          "peak_rss_mib": _peak_rss_mib()}
+  result = {"images_per_s": batch / seconds, "peak_rss_mib": _peak_rss_mib()}
+  if impl.endswith("+compile"):  # eager has nothing to compile
+    result["compile_s"] = first - seconds
+  return result
 
 
 def dense_product_operands(product: str, rows: int, k: int, n: int):
@@ -680,7 +682,10 @@ def setting_lines(args: argparse.Namespace, env: dict, race: Race,
 
 
 def _compile_cell(runs: list[dict]) -> str:
-  """Mean compile seconds; for vit_jax, of them Python's trace + lower."""
+  """Mean compile seconds ("-" for eager PyTorch); for vit_jax, of them
+  Python's trace + lower."""
+  if "compile_s" not in runs[0]:
+    return "-"
   mean = lambda name: statistics.mean(r[name] for r in runs)
   trace = f" (trace {mean('trace_s'):.1f})" if "trace_s" in runs[0] else ""
   return f"{mean('compile_s'):.1f}{trace}"

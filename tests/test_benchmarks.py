@@ -494,10 +494,12 @@ def test_throughput_summary_takes_the_worst_workload_against_fastest_torch():
   """The table and summary line of a race, from made-up worker results:
   each ratio is vit_jax's mean over its rounds against the fastest
   PyTorch variant's mean, the summary the worst model's, the GEMM fraction
-  the worst training GFLOP/s over the rate, compile the slowest round."""
+  the worst training GFLOP/s over the rate, compile the slowest round;
+  eager PyTorch, which compiles nothing, shows "-" for it."""
   throughput = _benchmark_module("throughput")
   worker = lambda rate, **extra: {"images_per_s": rate, "compile_s": 1.0,
                                   "peak_rss_mib": 100.0, **extra}
+  eager = lambda rate: {"images_per_s": rate, "peak_rss_mib": 100.0}
   speeds = {("vit_tiny_cifar", "train"): (100.0, 60.0, 80.0),
             ("vit_tiny_cifar", "infer"): (300.0, 200.0, 250.0),
             ("ViT-Ti/16@224", "train"): (30.0, 25.0, 20.0),
@@ -508,9 +510,9 @@ def test_throughput_summary_takes_the_worst_workload_against_fastest_torch():
     results[model, mode, "vit_jax"] = [
         worker(jax_rate * 0.9, flops_per_image=flops, compile_s=2.0),
         worker(jax_rate * 1.1, flops_per_image=flops, compile_s=3.5)]
-    results[model, mode, "timm"] = [worker(timm)]
+    results[model, mode, "timm"] = [eager(timm)]
     results[model, mode, "timm+compile"] = [worker(timm * 0.5)]
-    results[model, mode, "torchvision"] = [worker(timm * 0.5)]
+    results[model, mode, "torchvision"] = [eager(timm * 0.5)]
     results[model, mode, "torchvision+compile"] = [worker(tv_compile),
                                                    worker(tv_compile)]
   race = throughput.Race(results, {}, {}, [])
@@ -521,6 +523,11 @@ def test_throughput_summary_takes_the_worst_workload_against_fastest_torch():
   # 100 images/s against torchvision + compile's 80; 100 GFLOP/s of 200.
   assert cifar_train.split(" | ")[1:6] == [
       "vit_jax (2 rounds)", "100.0", "100", "50", "1.25"]
+  compile_cells = {row.split(" | ")[1]: row.split(" | ")[6] for row in rows
+                   if row.startswith("| vit_tiny_cifar train")}
+  assert compile_cells == {"vit_jax (2 rounds)": "2.8", "timm": "-",
+                           "timm+compile": "1.0", "torchvision": "-",
+                           "torchvision+compile (2 rounds)": "1.0"}
   summary = throughput.summary_line(race, 200.0, "Some CPU")
   # train: min(100/80, 30/25); infer: min(300/250, 90/100); the GEMM
   # fraction: min(100 * 1, 30 * 4) GFLOP/s over 200.
