@@ -9,13 +9,19 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from vit_jax.kernels import cpu_gemm, gelu_matmul, matmuls
+from vit_jax.kernels import cpu_gemm, gelu_matmul, matmuls, xla_products
 from vit_jax.model import vit
-from vit_jax.runtime import sharding
+from vit_jax.runtime import cpu_info, sharding
 
 needs_onednn = pytest.mark.skipif(
     cpu_gemm.problem() is not None,
     reason=f"the oneDNN products cannot run: {cpu_gemm.problem()}")
+
+
+# oneDNN's bfloat16 gemm needs AVX-512 (it says "unimplemented" without).
+needs_bfloat16_gemm = pytest.mark.skipif(
+    "avx512f" not in cpu_info.cpu_features()[1],
+    reason="oneDNN's bfloat16 gemm needs AVX-512 (this CPU has none)")
 
 
 def _normal(seed: int, *shape: int) -> np.ndarray:
@@ -48,12 +54,46 @@ def test_the_three_products_match_a_float64_reference(
 
 
 @needs_onednn
+@needs_bfloat16_gemm
+@pytest.mark.parametrize("tasks", [1, 3])
+@pytest.mark.parametrize("groups,rows,depth,width", [
+    (1, 197, 64, 192), (2, 37, 20, 50), (1, 5, 40, 3)])
+def test_bfloat16_operands_give_the_products_of_the_rounded_values(
+    monkeypatch, tasks, groups, rows, depth, width):
+  """With operand_dtype=bfloat16 each product reads its operands rounded
+  to bfloat16 (float32 or bfloat16 ones) and returns float32: the float64
+  product of the rounded values, to float32 accumulation."""
+  monkeypatch.setattr(cpu_gemm, "tasks_per_device", lambda: tasks)
+  x, dy = _normal(10, groups, rows, depth), _normal(11, groups, rows, width)
+  kernel = _normal(12, depth, width)
+  rounded = lambda a: np.asarray(a, jnp.bfloat16).astype(np.float64)
+  cases = [
+      (cpu_gemm.rows_times, (x, kernel), rounded(x) @ rounded(kernel)),
+      (cpu_gemm.rows_times_transposed, (dy, kernel.astype(jnp.bfloat16)),
+       rounded(dy) @ rounded(kernel).T),
+      (cpu_gemm.rows_transposed_times, (x.astype(jnp.bfloat16), dy),
+       np.einsum("grk,grn->kn", rounded(x), rounded(dy)))]
+  for product, operands, expected in cases:
+    result = jax.jit(functools.partial(product, operand_dtype=jnp.bfloat16))(
+        *operands)
+    assert result.shape == expected.shape and result.dtype == jnp.float32
+    np.testing.assert_allclose(result, expected, rtol=1e-5,
+                               atol=1e-5 * np.abs(expected).max())
+  # Rounding matters: the float32 operands' product differs.
+  assert np.abs(cases[0][2] - x.astype(np.float64) @ kernel).max() > 1e-4
+
+
+@needs_onednn
 def test_wrong_operands_are_named():
   with pytest.raises(ValueError, match=r"\(G, rows, columns\) float32"):
     cpu_gemm.rows_times(jnp.ones((4, 8)), jnp.ones((8, 2)))
   with pytest.raises(ValueError, match=r"bfloat16\[1, 4, 8\]"):
     cpu_gemm.rows_transposed_times(jnp.ones((1, 4, 8), jnp.bfloat16),
                                    jnp.ones((1, 4, 2)))
+  with pytest.raises(ValueError, match=r"bfloat16 or float32 arrays.*"
+                     r"float16\[1, 4, 8\]"):
+    cpu_gemm.rows_times(jnp.ones((1, 4, 8), jnp.float16), jnp.ones((8, 2)),
+                        jnp.bfloat16)
 
 
 @needs_onednn
@@ -61,16 +101,22 @@ def test_wrong_operands_are_named():
     ((2, 48, 24), (24, 40), 1),        # per_token's groups
     ((96, 24), (24, 40), 1),           # flat rows: groups by the devices
     ((2, 30, 3, 8), (3, 8, 16), 2)])   # DenseGeneral over (heads, head_dim)
+@pytest.mark.parametrize("operand_dtype", [
+    None, pytest.param(jnp.bfloat16, marks=needs_bfloat16_gemm)])
 def test_dense_products_match_xlas_values_and_gradients(
-    input_shape, kernel_shape, axes):
+    input_shape, kernel_shape, axes, operand_dtype):
+  """Plain and GELU-first Dense products, values and both gradients, in
+  oneDNN as in XLA's products; with bfloat16 operands both round every
+  product's operands (XLA's then accumulate in another order)."""
   x, kernel = _normal(3, *input_shape), _normal(4, *kernel_shape)
   bias = _normal(5, *kernel_shape[:axes])  # the GELU's input's
   numbers = ((tuple(range(x.ndim - axes, x.ndim)), tuple(range(axes))),
              ((), ()))
   for make in (lambda impl: functools.partial(
-                   matmuls.dense_dot_general, implementation=impl),
-               lambda impl: gelu_matmul.gelu_dot_general(bias,
-                                                     implementation=impl)):
+                   matmuls.dense_dot_general, implementation=impl,
+                   operand_dtype=operand_dtype),
+               lambda impl: gelu_matmul.gelu_dot_general(
+                   bias, implementation=impl, operand_dtype=operand_dtype)):
     def loss(x, kernel, impl, make=make):
       y = make(impl)(x, kernel, numbers)
       return (jnp.sin(y) * y).sum(), y
@@ -78,10 +124,12 @@ def test_dense_products_match_xlas_values_and_gradients(
                    static_argnums=2)
     (dx, dk), y = grad(x, kernel, "onednn")
     (dx_ref, dk_ref), y_ref = grad(x, kernel, "xla")
+    # bfloat16: an operand rounded on one side of a tie, 2^-8 relative.
+    tolerance = 1e-5 if operand_dtype is None else 1e-2
     for result, expected in ((y, y_ref), (dx, dx_ref), (dk, dk_ref)):
-      assert result.shape == expected.shape
-      np.testing.assert_allclose(result, expected, rtol=1e-4,
-                                 atol=1e-5 * np.abs(expected).max())
+      assert result.shape == expected.shape and result.dtype == expected.dtype
+      np.testing.assert_allclose(result, expected, rtol=10 * tolerance,
+                                 atol=tolerance * np.abs(expected).max())
 
 
 @needs_onednn
@@ -152,14 +200,26 @@ def test_the_model_takes_the_cpu_kernels_with_xlas_values():
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5 * scale)
 
 
-def test_auto_takes_onednn_only_for_float32_products_on_a_cpu(monkeypatch):
+def test_auto_takes_onednn_for_float32_products_and_bfloat16_operands(
+    monkeypatch):
+  """oneDNN for float32 products on a CPU, and for bfloat16 operands
+  where `cpu_gemm.bfloat16_problem` finds none; XLA's otherwise."""
   monkeypatch.setattr(cpu_gemm, "problem", lambda device=None: None)
+  monkeypatch.setattr(cpu_gemm, "bfloat16_problem", lambda: None)
   resolve = matmuls.resolve_implementation
   assert resolve("auto", jnp.float32) == "onednn"
-  assert resolve("auto", jnp.float32, jnp.bfloat16) == "xla"
+  assert resolve("auto", jnp.float32, jnp.bfloat16) == "onednn"
   assert resolve("auto", jnp.bfloat16) == "xla"
+  assert resolve("auto", jnp.float32, jnp.float16) == "xla"
   assert resolve("xla", jnp.float32) == "xla"
   with pytest.raises(ValueError, match="computes float32 products.*bfloat16"):
+    resolve("onednn", jnp.bfloat16)
+  amx = "this CPU has AMX, which XLA's YNNPACK products use"
+  monkeypatch.setattr(cpu_gemm, "bfloat16_problem", lambda: amx)
+  assert resolve("auto", jnp.float32, jnp.bfloat16) == "xla"
+  assert resolve("auto", jnp.float32) == "onednn"
+  with pytest.raises(ValueError, match="bfloat16 operands take XLA's "
+                     "products here: this CPU has AMX"):
     resolve("onednn", jnp.float32, jnp.bfloat16)
   with pytest.raises(ValueError, match="Unknown matmul_implementation 'mkl'"):
     resolve("mkl", jnp.float32)
@@ -169,6 +229,19 @@ def test_auto_takes_onednn_only_for_float32_products_on_a_cpu(monkeypatch):
   with pytest.raises(ValueError, match="cannot run here: oneDNN is not "
                      "installed. Use 'auto'"):
     resolve("onednn", jnp.float32)
+
+
+@pytest.mark.parametrize("instructions,problem", [
+    (("AVX512_BF16",), None),
+    (("AMX-BF16", "AVX512_BF16"), "AMX"),
+    ((), "no AVX512_BF16"),
+    (("BF16",), "no AVX512_BF16")])  # Arm's: oneDNN's x86 wheel only
+def test_bfloat16_operands_take_onednn_on_avx512_bf16_without_amx(
+    monkeypatch, instructions, problem):
+  monkeypatch.setattr(xla_products, "bfloat16_dot_instructions",
+                      lambda: instructions)
+  found = cpu_gemm.bfloat16_problem()
+  assert found is None if problem is None else problem in found
 
 
 def test_a_missing_onednn_names_the_fix(monkeypatch):

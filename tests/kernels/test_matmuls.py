@@ -191,13 +191,19 @@ def test_bfloat16_operands_give_float32_products_of_the_rounded_operands(
   assert 1e-4 < np.max(np.abs(out - exact)) / np.max(np.abs(exact)) < 2e-2
 
 
+def _bfloat16_model(implementation: str) -> vit.VisionTransformer:
+  return vit.VisionTransformer(num_classes=7, patch_size=4, hidden_size=32,
+                               num_layers=2, num_heads=2, mlp_dim=64,
+                               matmul_dtype=jnp.bfloat16,
+                               matmul_implementation=implementation)
+
+
 def test_bfloat16_operands_reach_every_product_of_a_train_step_gradient():
-  """In the gradient of a ViT with matmul_dtype=bfloat16, every product of
-  the encoder's Dense layers reads bfloat16 and writes float32 (the head's
-  stays float32), and the parameters and their gradients are float32."""
-  model = vit.VisionTransformer(num_classes=7, patch_size=4, hidden_size=32,
-                                num_layers=2, num_heads=2, mlp_dim=64,
-                                matmul_dtype=jnp.bfloat16)
+  """In the gradient of a ViT with matmul_dtype=bfloat16 and XLA's
+  products, every product of the encoder's Dense layers reads bfloat16 and
+  writes float32 (the head's stays float32), and the parameters and their
+  gradients are float32."""
+  model = _bfloat16_model("xla")
   images = jnp.ones((2, 8, 8, 3))
   params = model.init(jax.random.PRNGKey(0), images)["params"]
   grad_fn = jax.jit(jax.grad(lambda p: jnp.sum(model.apply(
@@ -213,6 +219,37 @@ def test_bfloat16_operands_reach_every_product_of_a_train_step_gradient():
   grads = grad_fn(params)
   assert {leaf.dtype for leaf in jax.tree.leaves((params, grads))} == {
       jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.skipif(
+    matmuls.cpu_gemm.problem() is not None
+    or matmuls.cpu_gemm.bfloat16_problem() is not None,
+    reason="bfloat16 operands do not take oneDNN's products on this CPU")
+def test_bfloat16_operands_take_onednn_where_the_cpu_has_avx512_bf16():
+  """On a CPU with AVX512_BF16 and no AMX, "auto" puts every encoder Dense
+  product of the bfloat16 train step in oneDNN's bfloat16 gemm, with the
+  loss and gradients of XLA's bfloat16 products."""
+  images = jnp.asarray(np.random.default_rng(0).normal(size=(4, 8, 8, 3)),
+                       jnp.float32)
+  results = {}
+  for implementation in ("auto", "xla"):
+    model = _bfloat16_model(implementation)
+    params = _bfloat16_model("xla").init(jax.random.PRNGKey(0), images)
+    step = jax.jit(jax.value_and_grad(lambda p, model=model: jnp.mean(
+        model.apply(p, images) ** 2)))
+    program = step.lower(params).as_text()
+    calls = re.findall(r'VitGemm\w*', program)
+    # 2 blocks x 4 Dense layers x 3 products, less the last block's
+    # query-only projection.
+    assert (len(calls) >= 20 and all(c.endswith("Bf16") for c in calls)
+            if implementation == "auto" else not calls), calls
+    results[implementation] = step(params)
+  (loss, grads), (loss_ref, grads_ref) = results["auto"], results["xla"]
+  np.testing.assert_allclose(loss, loss_ref, rtol=1e-2)
+  for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, g_ref, rtol=0.1,
+                               atol=2e-2 * np.abs(g_ref).max())
 
 
 @pytest.mark.parametrize("rows", [7, 24])

@@ -55,7 +55,8 @@ TARGETS = (*(f"VitAttention{family}{handler}{suffix}"
              for handler in ("ForTraining", "ForInference", "Backward")
              for suffix in ("", "Bf16")),
            "VitTransposeToBfloat16", "VitGemm", "VitGemmTransposedRight",
-           "VitGemmOverRows", "VitLayerNormForward", "VitLayerNormBackward",
+           "VitGemmOverRows", "VitGemmBf16", "VitGemmTransposedRightBf16",
+           "VitGemmOverRowsBf16", "VitLayerNormForward", "VitLayerNormBackward",
            "VitGelu", "VitGeluBackward", "VitGeluBf16", "VitGeluBackwardBf16")
 # Kernels on whole (replicated) operands, not split over a batch axis.
 REPLICATED_TARGETS = ("VitAdamW",)

@@ -11,8 +11,16 @@ products of every encoder Dense layer here, the train step took 7-8% less
 time there (ViT-Ti/16 @224 and vit_tiny_cifar; docs/performance.md, *The
 Dense products through oneDNN*).
 
+With bfloat16 operands (`config.model.matmul_dtype`) the products go
+through oneDNN's gemm_bf16bf16f32 (float32 results) on CPUs with AVX512_BF16
+and no AMX: on one core of a Zen 4 it ran ViT-B/16's products at 201-212
+GFLOP/s against 120-167 for YNNPACK, which XLA:CPU runs them in otherwise,
+and ViT-Ti's at 168-200 against 147-171 (docs/performance.md, *Wider
+models*). Where AMX is, YNNPACK uses it and stays (887 GFLOP/s at 2048^3 on
+a Xeon); oneDNN's gemm API does not.
+
 oneDNN comes from the `onednn-cpu-gomp` wheel (a dependency of vit_jax on
-x86-64 Linux), loaded on first use; its sgemm is handed to the C++
+x86-64 Linux), loaded on first use; its gemms are handed to the C++
 handlers in `csrc/gemm_cpu.cc` (built with the other kernels, `cpu_build`).
 Each product's arrays carry a leading axis of G groups of rows (see
 `matmuls.per_token`): under a batch-split mesh each device multiplies its
@@ -31,7 +39,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from vit_jax.kernels import cpu_build
+from vit_jax.kernels import cpu_build, xla_products
 from vit_jax.runtime import cpu_info
 
 DISTRIBUTION = "onednn-cpu-gomp"
@@ -70,8 +78,9 @@ def load() -> Optional[str]:
     # Global, so that the OpenMP runtime it links is the one found below.
     onednn = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     openmp = ctypes.CDLL("libgomp.so.1", mode=ctypes.RTLD_GLOBAL)
-    cpu_build.library().VitSetSgemm(
+    cpu_build.library().VitSetGemm(
         ctypes.cast(onednn.dnnl_sgemm, ctypes.c_void_p),
+        ctypes.cast(onednn.dnnl_gemm_bf16bf16f32, ctypes.c_void_p),
         ctypes.cast(openmp.omp_set_num_threads, ctypes.c_void_p))
   except (OSError, AttributeError) as error:
     logging.warning("vit_jax: oneDNN could not be loaded from %s, XLA's own "
@@ -94,6 +103,19 @@ def problem(device: Any = None) -> Optional[str]:
   return load()
 
 
+def bfloat16_problem() -> Optional[str]:
+  """Why bfloat16 operands should not take oneDNN's products on this CPU
+  (it lacks AVX512_BF16, or has AMX, which YNNPACK uses and oneDNN's gemm
+  does not), or None."""
+  instructions = xla_products.bfloat16_dot_instructions()
+  if "AMX-BF16" in instructions:
+    return "this CPU has AMX, which XLA's YNNPACK products use"
+  if "AVX512_BF16" not in instructions:
+    return ("this CPU has no AVX512_BF16 instructions for oneDNN's "
+            "bfloat16 gemm")
+  return None
+
+
 def tasks_per_device() -> int:
   """The parts each product is split into: the cores each CPU device has
   (1 with a device per core, vit_jax's default; all of them for one
@@ -101,53 +123,77 @@ def tasks_per_device() -> int:
   return max(1, cpu_info.cpu_cores() // max(1, jax.local_device_count("cpu")))
 
 
-_ROWS_TIMES = cpu_build.batch_partitionable(
-    "VitGemm", lambda a, b: [(a.shape[:2] + b.shape[2:], a.dtype)], 1)
-_ROWS_TIMES_TRANSPOSED = cpu_build.batch_partitionable(
-    "VitGemmTransposedRight",
-    lambda a, b: [(a.shape[:2] + b.shape[1:2], a.dtype)], 1)
-_OVER_ROWS = cpu_build.batch_partitionable(
-    "VitGemmOverRows", lambda a, b: [((a.shape[0], a.shape[2], b.shape[2]),
-                                      a.dtype)], 1)
+def _primitives(suffix: str) -> tuple:
+  """The three products' primitives for operands of one dtype (target
+  names end in `suffix`); the results are float32 either way."""
+  def result(shape):
+    return lambda a, b: [(shape(a.shape, b.shape), jnp.float32)]
+  return (
+      cpu_build.batch_partitionable(
+          f"VitGemm{suffix}", result(lambda a, b: a[:2] + b[2:]), 1),
+      cpu_build.batch_partitionable(
+          f"VitGemmTransposedRight{suffix}",
+          result(lambda a, b: a[:2] + b[1:2]), 1),
+      cpu_build.batch_partitionable(
+          f"VitGemmOverRows{suffix}",
+          result(lambda a, b: (a[0], a[2], b[2])), 1))
 
 
-def _check(name: str, grouped: tuple, kernel: Optional[jax.Array] = None
-           ) -> None:
-  """Raises naming the operands unless `grouped` are (G, rows, columns)
-  float32 arrays and `kernel` (if given) a (K, N) float32 one."""
+# (x.W, dy.W^T, x^T.dy) by operand dtype.
+_PRIMITIVES = {jnp.dtype(jnp.float32): _primitives(""),
+               jnp.dtype(jnp.bfloat16): _primitives("Bf16")}
+
+
+def _operands(name: str, grouped: tuple, kernel: Optional[jax.Array],
+              operand_dtype: Any) -> tuple:
+  """(the operands rounded to operand_dtype if given, the primitives for
+  them); raises naming the operands unless `grouped` are (G, rows,
+  columns) arrays and `kernel` (if given) a (K, N) one, float32 (or
+  bfloat16 where operand_dtype is)."""
   arrays = (*grouped, *(() if kernel is None else (kernel,)))
   ranks = (3,) * len(grouped) + (() if kernel is None else (2,))
-  if any(a.ndim != rank or a.dtype != jnp.float32
-         for a, rank in zip(arrays, ranks)):
+  dtypes = {jnp.dtype(jnp.float32), jnp.dtype(operand_dtype or jnp.float32)}
+  if (any(a.ndim != rank or a.dtype not in dtypes
+          for a, rank in zip(arrays, ranks))
+      or jnp.dtype(operand_dtype or jnp.float32) not in _PRIMITIVES):
+    what = " or ".join(sorted(dtype.name for dtype in dtypes))
     raise ValueError(
-        f"{name} takes (G, rows, columns) float32 arrays"
-        + (" and a (K, N) float32 kernel" if kernel is not None else "")
+        f"{name} takes (G, rows, columns) {what} arrays"
+        + (f" and a (K, N) {what} kernel" if kernel is not None else "")
         + f", got {[f'{a.dtype}{list(a.shape)}' for a in arrays]}")
+  dtype = jnp.dtype(operand_dtype or jnp.float32)
+  return tuple(a.astype(dtype) for a in arrays), _PRIMITIVES[dtype]
 
 
-def rows_times(x: jax.Array, kernel: jax.Array) -> jax.Array:
-  """x @ kernel per group: x (G, M, K), kernel (K, N) -> (G, M, N)."""
-  _check("rows_times", (x,), kernel)
-  (result,) = _ROWS_TIMES.bind(x, cpu_build.per_group(kernel, x.shape[0]),
-                               tasks=tasks_per_device())
+def rows_times(x: jax.Array, kernel: jax.Array, operand_dtype: Any = None
+               ) -> jax.Array:
+  """x @ kernel per group: x (G, M, K), kernel (K, N) -> (G, M, N) float32,
+  the operands rounded to operand_dtype (bfloat16) if given."""
+  (x, kernel), (times, _, _) = _operands("rows_times", (x,), kernel,
+                                         operand_dtype)
+  (result,) = times.bind(x, cpu_build.per_group(kernel, x.shape[0]),
+                         tasks=tasks_per_device())
   return result
 
 
-def rows_times_transposed(output_grad: jax.Array, kernel: jax.Array
-                          ) -> jax.Array:
+def rows_times_transposed(output_grad: jax.Array, kernel: jax.Array,
+                          operand_dtype: Any = None) -> jax.Array:
   """output_grad @ kernel^T per group: (G, M, N), kernel (K, N) -> (G, M,
-  K)."""
-  _check("rows_times_transposed", (output_grad,), kernel)
-  (result,) = _ROWS_TIMES_TRANSPOSED.bind(
+  K) float32, the operands rounded to operand_dtype if given."""
+  (output_grad, kernel), (_, times_transposed, _) = _operands(
+      "rows_times_transposed", (output_grad,), kernel, operand_dtype)
+  (result,) = times_transposed.bind(
       output_grad, cpu_build.per_group(kernel, output_grad.shape[0]),
       tasks=tasks_per_device())
   return result
 
 
-def rows_transposed_times(x: jax.Array, output_grad: jax.Array
-                          ) -> jax.Array:
+def rows_transposed_times(x: jax.Array, output_grad: jax.Array,
+                          operand_dtype: Any = None) -> jax.Array:
   """x^T @ output_grad summed over the groups: x (G, R, K), output_grad
-  (G, R, N) -> (K, N)."""
-  _check("rows_transposed_times", (x, output_grad))
-  (partial,) = _OVER_ROWS.bind(x, output_grad, tasks=tasks_per_device())
+  (G, R, N) -> (K, N) float32, the operands rounded to operand_dtype if
+  given."""
+  (x, output_grad), (_, _, over_rows) = _operands(
+      "rows_transposed_times", (x, output_grad), None, operand_dtype)
+  (partial,) = over_rows.bind(x, output_grad, tasks=tasks_per_device())
   return partial.sum(axis=0)

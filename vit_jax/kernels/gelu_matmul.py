@@ -104,7 +104,7 @@ def _gelu_kernel_backward(inputs, bias, kernel, output_grad, num_contracted,
     output_grad = output_grad.astype(inputs.dtype).reshape(
         grouped.shape[:2] + (kernel_2d.shape[1],))
     activations_grad = cpu_gemm.rows_times_transposed(
-        output_grad, kernel_2d.astype(inputs.dtype))
+        output_grad, kernel_2d.astype(inputs.dtype), operand_dtype)
   else:
     output_grad = output_grad.reshape(-1, kernel_2d.shape[1])
     activations_grad = xla_products.product(
@@ -112,7 +112,7 @@ def _gelu_kernel_backward(inputs, bias, kernel, output_grad, num_contracted,
         (((1,), (1,)), ((), ())), precision, operand_dtype)
   # Rounded to bfloat16 as the kernel writes them where the weight
   # gradient's product would round them (a pass of XLA's less).
-  activations_dtype = (inputs.dtype if onednn else
+  activations_dtype = ((operand_dtype or inputs.dtype) if onednn else
                        xla_products.kernel_gradient_inputs_dtype(
                            (output_grad.shape[0], depth), output_grad.shape,
                            operand_dtype))
@@ -120,7 +120,8 @@ def _gelu_kernel_backward(inputs, bias, kernel, output_grad, num_contracted,
       grouped, bias.reshape(-1),
       activations_grad.reshape(grouped.shape).astype(inputs.dtype),
       activations_dtype)
-  kernel_grad = (cpu_gemm.rows_transposed_times(activations, output_grad)
+  kernel_grad = (cpu_gemm.rows_transposed_times(activations, output_grad,
+                                               operand_dtype)
                  if onednn else
                  xla_products.kernel_gradient(
                      activations.reshape(-1, depth), output_grad, precision,

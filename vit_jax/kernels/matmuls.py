@@ -16,9 +16,10 @@ instructions (AVX512_BF16, AMX) run at two to three times their float32
 rate, through YNNPACK, which `xla_products.xla_compiler_options` turns on
 for such programs.
 
-With `implementation="onednn"` (float32 products on a CPU, which
-`resolve_implementation` picks for "auto") the layer's three products run
-through oneDNN's sgemm (`cpu_gemm`), on rows in groups (`per_token`).
+With `implementation="onednn"` (which `resolve_implementation` picks for
+"auto" on a CPU: float32 products, and bfloat16 operands where the CPU has
+AVX512_BF16 and no AMX) the layer's three products run through oneDNN's
+gemms (`cpu_gemm`), on rows in groups (`per_token`).
 
 The MLP's second Dense, with the GELU before it, is `gelu_matmul`'s, made
 of this module's `dot` and `matmul_gradients`.
@@ -43,8 +44,9 @@ def resolve_implementation(requested: str, dtype: Any,
                            device: Any = None) -> str:
   """The Dense products' implementation, "onednn" or "xla", for products
   computing in `dtype` with `operand_dtype` (None or bfloat16) on `device`
-  (default: JAX's first). "auto" takes oneDNN's sgemm (`cpu_gemm`) for
-  float32 products on a CPU where it loads, XLA's dots elsewhere;
+  (default: JAX's first). "auto" takes oneDNN's gemms (`cpu_gemm`) for
+  float32 products on a CPU where it loads, and for bfloat16 operands
+  where `cpu_gemm.bfloat16_problem` finds none, XLA's dots elsewhere;
   "onednn" raises where it cannot run."""
   return cpu_build.choose_implementation(
       "matmul_implementation", requested, IMPLEMENTATIONS,
@@ -55,9 +57,12 @@ def resolve_implementation(requested: str, dtype: Any,
 def _onednn_problem(dtype: Any, operand_dtype: Any, device: Any
                     ) -> Optional[str]:
   """Why oneDNN's products cannot run these, or None if they can."""
-  if operand_dtype is not None:
-    return (f"it computes float32 products, and these have "
-            f"{jnp.dtype(operand_dtype).name} operands")
+  if operand_dtype is not None and jnp.dtype(operand_dtype) != jnp.bfloat16:
+    return (f"it takes float32 or bfloat16 operands, and these have "
+            f"{jnp.dtype(operand_dtype).name} ones")
+  if operand_dtype is not None and cpu_gemm.bfloat16_problem():
+    return (f"bfloat16 operands take XLA's products here: "
+            f"{cpu_gemm.bfloat16_problem()}")
   if jnp.dtype(dtype) != jnp.float32:
     return (f"it computes float32 products, and these compute in "
             f"{jnp.dtype(dtype).name}")
@@ -145,9 +150,11 @@ def matmul_gradients(inputs, kernel, output_grad, num_contracted, precision,
     output_grad = output_grad.astype(inputs.dtype).reshape(
         grouped.shape[:2] + (width,))
     kernel_2d = kernel.reshape(depth, width).astype(inputs.dtype)
-    inputs_grad = cpu_gemm.rows_times_transposed(output_grad, kernel_2d)
-    kernel_grad = cpu_gemm.rows_transposed_times(grouped, output_grad)
-    return (inputs_grad.reshape(inputs.shape),
+    inputs_grad = cpu_gemm.rows_times_transposed(output_grad, kernel_2d,
+                                                 operand_dtype)
+    kernel_grad = cpu_gemm.rows_transposed_times(grouped, output_grad,
+                                                 operand_dtype)
+    return (inputs_grad.reshape(inputs.shape).astype(inputs.dtype),
             kernel_grad.reshape(kernel.shape).astype(kernel.dtype))
   output_grad = output_grad.reshape(-1, width)
   inputs_grad = xla_products.product(
@@ -170,7 +177,8 @@ def dot(inputs, kernel, dimension_numbers, precision,
     num = len(dimension_numbers[0][0])
     kernel_2d = kernel.reshape(int(np.prod(kernel.shape[:num])), -1)
     product = cpu_gemm.rows_times(grouped_rows(inputs, num),
-                                  kernel_2d.astype(inputs.dtype))
+                                  kernel_2d.astype(inputs.dtype),
+                                  operand_dtype)
     return product.reshape(inputs.shape[:inputs.ndim - num]
                            + kernel.shape[num:])
   if operand_dtype is not None:

@@ -3,7 +3,9 @@
 // VitSetSgemm, and says why these exist.
 //
 // Every operand and result has a leading axis of G groups of rows (under a
-// batch-split mesh, each device's part); per group, float32, row major:
+// batch-split mesh, each device's part); per group, row major, float32
+// operands (sgemm) or, in the handlers named ...Bf16, bfloat16 operands
+// (oneDNN's gemm_bf16bf16f32), the result float32 either way:
 //   VitGemm                  c (M, N) = a (M, K) b (K, N)        x.W
 //   VitGemmTransposedRight   c (M, N) = a (M, K) b (N, K)^T      dy.W^T
 //   VitGemmOverRows          c (K, N) = a (R, K)^T b (R, N)      x^T.dy
@@ -13,7 +15,10 @@
 // on one OpenMP thread: the parallelism is XLA's devices and these tasks.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <string>
+#include <type_traits>
 
 #include "parallel_tasks.h"
 #include "xla/ffi/api/ffi.h"
@@ -22,28 +27,59 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// oneDNN's dnnl_sgemm (row major, like its BLAS namesake otherwise) and
-// OpenMP's omp_set_num_threads, from the libraries cpu_gemm.py loads.
-typedef int (*SgemmFunction)(char transa, char transb, int64_t m, int64_t n,
-                             int64_t k, float alpha, const float* a,
-                             int64_t lda, const float* b, int64_t ldb,
-                             float beta, float* c, int64_t ldc);
+// oneDNN's dnnl_sgemm and dnnl_gemm_bf16bf16f32 (row major, like their
+// BLAS namesakes otherwise; bfloat16 as its 16 bits) and OpenMP's
+// omp_set_num_threads, from the libraries cpu_gemm.py loads.
+template <typename T>
+using GemmFunction = int (*)(char transa, char transb, int64_t m, int64_t n,
+                             int64_t k, float alpha, const T* a, int64_t lda,
+                             const T* b, int64_t ldb, float beta, float* c,
+                             int64_t ldc);
 typedef void (*SetThreadsFunction)(int);
-SgemmFunction sgemm = nullptr;
+GemmFunction<float> sgemm = nullptr;
+GemmFunction<uint16_t> gemm_bf16 = nullptr;
 SetThreadsFunction set_omp_threads = nullptr;
 
-void Sgemm(char transa, char transb, int64_t m, int64_t n, int64_t k,
-           const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
-           int64_t ldc) {
-  set_omp_threads(1);  // per thread: this call's team is this thread
-  sgemm(transa, transb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+// The operands' element type in memory: float, or bfloat16's bits.
+template <ffi::DataType kType>
+using Element =
+    std::conditional_t<kType == ffi::DataType::F32, float, uint16_t>;
+
+template <typename T>
+GemmFunction<T> GemmFor() {
+  if constexpr (std::is_same_v<T, float>) {
+    return sgemm;
+  } else {
+    return gemm_bf16;
+  }
 }
 
-ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& a,
-                       const ffi::Buffer<ffi::F32>& b, const char* what) {
-  if (sgemm == nullptr || set_omp_threads == nullptr)
+// One block's product; a failure's oneDNN status (e.g. its bfloat16 gemm
+// on a CPU without AVX-512: unimplemented) is kept in `status`.
+template <typename T>
+void Gemm(char transa, char transb, int64_t m, int64_t n, int64_t k,
+          const T* a, int64_t lda, const T* b, int64_t ldb, float* c,
+          int64_t ldc, std::atomic<int>* status) {
+  set_omp_threads(1);  // per thread: this call's team is this thread
+  const int result = GemmFor<T>()(transa, transb, m, n, k, 1.0f, a, lda, b,
+                                  ldb, 0.0f, c, ldc);
+  if (result != 0) status->store(result);
+}
+
+ffi::Error GemmStatus(const std::atomic<int>& status) {
+  if (status.load() == 0) return ffi::Error::Success();
+  return ffi::Error::Internal(
+      "vit_jax's oneDNN products: oneDNN's gemm failed with dnnl_status_t " +
+      std::to_string(status.load()) +
+      " (5: unimplemented on this CPU); use matmul_implementation='xla'");
+}
+
+template <ffi::DataType kType>
+ffi::Error CheckShapes(const ffi::Buffer<kType>& a,
+                       const ffi::Buffer<kType>& b, const char* what) {
+  if (GemmFor<Element<kType>>() == nullptr || set_omp_threads == nullptr)
     return ffi::Error::Internal(
-        "vit_jax's oneDNN products: oneDNN's sgemm is not loaded "
+        "vit_jax's oneDNN products: oneDNN's gemm is not loaded "
         "(vit_jax.kernels.cpu_gemm.problem() says why)");
   auto ad = a.dimensions(), bd = b.dimensions();
   if (ad.size() != 3 || bd.size() != 3 || ad[0] != bd[0])
@@ -53,9 +89,9 @@ ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& a,
 
 // c = a b, or a b^T with kTransposedRight; each group's rows of c in
 // blocks.
-template <bool kTransposedRight>
-ffi::Error RowsTimes(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
-                     ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> c,
+template <ffi::DataType kType, bool kTransposedRight>
+ffi::Error RowsTimes(ffi::ThreadPool pool, ffi::Buffer<kType> a,
+                     ffi::Buffer<kType> b, ffi::ResultBuffer<ffi::F32> c,
                      int64_t tasks) {
   if (ffi::Error error = CheckShapes(
           a, b, "VitGemm takes a (G, M, K) and b (G, K, N) or (G, N, K)");
@@ -66,20 +102,25 @@ ffi::Error RowsTimes(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
                 n = kTransposedRight ? bd[1] : bd[2];
   if ((kTransposedRight ? bd[2] : bd[1]) != k)
     return ffi::Error::InvalidArgument("VitGemm: a's and b's K differ");
-  const float *ap = a.typed_data(), *bp = b.typed_data();
+  const auto *ap = reinterpret_cast<const Element<kType>*>(a.untyped_data()),
+             *bp = reinterpret_cast<const Element<kType>*>(b.untyped_data());
   float* cp = c->typed_data();
+  std::atomic<int> status{0};
+  std::atomic<int>* sp = &status;
   ForEachBlock(pool, groups, Blocks(m, tasks, 16),
                [=](int64_t g, int64_t r0, int64_t rows) {
-                 Sgemm('N', kTransposedRight ? 'T' : 'N', rows, n, k,
-                       ap + (g * m + r0) * k, k, bp + g * k * n,
-                       kTransposedRight ? k : n, cp + (g * m + r0) * n, n);
+                 Gemm('N', kTransposedRight ? 'T' : 'N', rows, n, k,
+                      ap + (g * m + r0) * k, k, bp + g * k * n,
+                      kTransposedRight ? k : n, cp + (g * m + r0) * n, n,
+                      sp);
                });
-  return ffi::Error::Success();
+  return GemmStatus(status);
 }
 
 // c = a^T b, contracting each group's rows; c's columns in blocks.
-ffi::Error OverRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
-                    ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> c,
+template <ffi::DataType kType>
+ffi::Error OverRows(ffi::ThreadPool pool, ffi::Buffer<kType> a,
+                    ffi::Buffer<kType> b, ffi::ResultBuffer<ffi::F32> c,
                     int64_t tasks) {
   if (ffi::Error error = CheckShapes(
           a, b, "VitGemmOverRows takes a (G, R, K) and b (G, R, N)");
@@ -89,34 +130,47 @@ ffi::Error OverRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
   const int64_t groups = ad[0], r = ad[1], k = ad[2], n = bd[2];
   if (bd[1] != r)
     return ffi::Error::InvalidArgument("VitGemmOverRows: a's and b's R differ");
-  const float *ap = a.typed_data(), *bp = b.typed_data();
+  const auto *ap = reinterpret_cast<const Element<kType>*>(a.untyped_data()),
+             *bp = reinterpret_cast<const Element<kType>*>(b.untyped_data());
   float* cp = c->typed_data();
+  std::atomic<int> status{0};
+  std::atomic<int>* sp = &status;
   ForEachBlock(pool, groups, Blocks(n, tasks, 16),
                [=](int64_t g, int64_t c0, int64_t columns) {
-                 Sgemm('T', 'N', k, columns, r, ap + g * r * k, k,
-                       bp + g * r * n + c0, n, cp + g * k * n + c0, n);
+                 Gemm('T', 'N', k, columns, r, ap + g * r * k, k,
+                      bp + g * r * n + c0, n, cp + g * k * n + c0, n, sp);
                });
-  return ffi::Error::Success();
+  return GemmStatus(status);
 }
 
 }  // namespace
 
-// Called once by cpu_gemm.py with dnnl_sgemm and omp_set_num_threads.
-extern "C" void VitSetSgemm(void* sgemm_function, void* set_threads_function) {
-  sgemm = reinterpret_cast<SgemmFunction>(sgemm_function);
+// Called once by cpu_gemm.py with dnnl_sgemm, dnnl_gemm_bf16bf16f32 and
+// omp_set_num_threads.
+extern "C" void VitSetGemm(void* sgemm_function, void* gemm_bf16_function,
+                           void* set_threads_function) {
+  sgemm = reinterpret_cast<GemmFunction<float>>(sgemm_function);
+  gemm_bf16 = reinterpret_cast<GemmFunction<uint16_t>>(gemm_bf16_function);
   set_omp_threads = reinterpret_cast<SetThreadsFunction>(set_threads_function);
 }
 
-#define VIT_GEMM_HANDLER(NAME, FUNCTION)       \
+#define VIT_GEMM_HANDLER(NAME, TYPE, FUNCTION) \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(               \
-      NAME, FUNCTION,                          \
+      NAME, (FUNCTION),                        \
       ffi::Ffi::Bind()                         \
           .Ctx<ffi::ThreadPool>()              \
-          .Arg<ffi::Buffer<ffi::F32>>()        \
-          .Arg<ffi::Buffer<ffi::F32>>()        \
+          .Arg<ffi::Buffer<ffi::TYPE>>()       \
+          .Arg<ffi::Buffer<ffi::TYPE>>()       \
           .Ret<ffi::Buffer<ffi::F32>>()        \
           .Attr<int64_t>("tasks"))
 
-VIT_GEMM_HANDLER(VitGemm, RowsTimes<false>);
-VIT_GEMM_HANDLER(VitGemmTransposedRight, RowsTimes<true>);
-VIT_GEMM_HANDLER(VitGemmOverRows, OverRows);
+#define VIT_GEMM_HANDLERS(SUFFIX, TYPE)                                   \
+  VIT_GEMM_HANDLER(VitGemm##SUFFIX, TYPE,                                 \
+                   (RowsTimes<ffi::DataType::TYPE, false>));              \
+  VIT_GEMM_HANDLER(VitGemmTransposedRight##SUFFIX, TYPE,                  \
+                   (RowsTimes<ffi::DataType::TYPE, true>));               \
+  VIT_GEMM_HANDLER(VitGemmOverRows##SUFFIX, TYPE,                         \
+                   OverRows<ffi::DataType::TYPE>)
+
+VIT_GEMM_HANDLERS(, F32);
+VIT_GEMM_HANDLERS(Bf16, BF16);
