@@ -94,6 +94,9 @@ def test_wrong_operands_are_named():
                      r"float16\[1, 4, 8\]"):
     cpu_gemm.rows_times(jnp.ones((1, 4, 8), jnp.float16), jnp.ones((8, 2)),
                         jnp.bfloat16)
+  with pytest.raises(ValueError, match="to bfloat16 or not at all, not to "
+                     "float16"):
+    cpu_gemm.rows_times(jnp.ones((1, 4, 8)), jnp.ones((8, 2)), jnp.float16)
 
 
 @needs_onednn

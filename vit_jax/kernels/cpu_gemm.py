@@ -16,7 +16,7 @@ through oneDNN's gemm_bf16bf16f32 (float32 results) on CPUs with AVX512_BF16
 and no AMX: on one core of a Zen 4 it ran ViT-B/16's products at 201-212
 GFLOP/s against 120-167 for YNNPACK, which XLA:CPU runs them in otherwise,
 and ViT-Ti's at 168-200 against 147-171 (docs/performance.md, *Wider
-models*). Where AMX is, YNNPACK uses it and stays (887 GFLOP/s at 2048^3 on
+models, and bfloat16 products through oneDNN*). Where AMX is, YNNPACK uses it and stays (887 GFLOP/s at 2048^3 on
 a Xeon); oneDNN's gemm API does not.
 
 oneDNN comes from the `onednn-cpu-gomp` wheel (a dependency of vit_jax on
@@ -150,18 +150,20 @@ def _operands(name: str, grouped: tuple, kernel: Optional[jax.Array],
   them); raises naming the operands unless `grouped` are (G, rows,
   columns) arrays and `kernel` (if given) a (K, N) one, float32 (or
   bfloat16 where operand_dtype is)."""
+  dtype = jnp.dtype(operand_dtype or jnp.float32)
+  if dtype not in _PRIMITIVES:
+    raise ValueError(f"{name} rounds its operands to bfloat16 or not at "
+                     f"all, not to {dtype.name}")
   arrays = (*grouped, *(() if kernel is None else (kernel,)))
   ranks = (3,) * len(grouped) + (() if kernel is None else (2,))
-  dtypes = {jnp.dtype(jnp.float32), jnp.dtype(operand_dtype or jnp.float32)}
-  if (any(a.ndim != rank or a.dtype not in dtypes
-          for a, rank in zip(arrays, ranks))
-      or jnp.dtype(operand_dtype or jnp.float32) not in _PRIMITIVES):
+  dtypes = {jnp.dtype(jnp.float32), dtype}
+  if any(a.ndim != rank or a.dtype not in dtypes
+         for a, rank in zip(arrays, ranks)):
     what = " or ".join(sorted(dtype.name for dtype in dtypes))
     raise ValueError(
         f"{name} takes (G, rows, columns) {what} arrays"
         + (f" and a (K, N) {what} kernel" if kernel is not None else "")
         + f", got {[f'{a.dtype}{list(a.shape)}' for a in arrays]}")
-  dtype = jnp.dtype(operand_dtype or jnp.float32)
   return tuple(a.astype(dtype) for a in arrays), _PRIMITIVES[dtype]
 
 

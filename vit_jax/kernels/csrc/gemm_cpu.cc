@@ -1,6 +1,6 @@
-// The Dense layers' three products through oneDNN's sgemm, as XLA FFI
-// handlers. vit_jax/kernels/cpu_gemm.py loads oneDNN, hands its sgemm to
-// VitSetSgemm, and says why these exist.
+// The Dense layers' three products through oneDNN's gemms, as XLA FFI
+// handlers. vit_jax/kernels/cpu_gemm.py loads oneDNN, hands its gemms to
+// VitSetGemm, and says why these exist.
 //
 // Every operand and result has a leading axis of G groups of rows (under a
 // batch-split mesh, each device's part); per group, row major, float32
