@@ -57,12 +57,12 @@ def resolve_implementation(requested: str, dtype: Any,
 def _onednn_problem(dtype: Any, operand_dtype: Any, device: Any
                     ) -> Optional[str]:
   """Why oneDNN's products cannot run these, or None if they can."""
-  if operand_dtype is not None and jnp.dtype(operand_dtype) != jnp.bfloat16:
-    return (f"it takes float32 or bfloat16 operands, and these have "
-            f"{jnp.dtype(operand_dtype).name} ones")
-  if operand_dtype is not None and cpu_gemm.bfloat16_problem():
-    return (f"bfloat16 operands take XLA's products here: "
-            f"{cpu_gemm.bfloat16_problem()}")
+  if operand_dtype is not None:
+    if jnp.dtype(operand_dtype) != jnp.bfloat16:
+      return (f"it takes float32 or bfloat16 operands, and these have "
+              f"{jnp.dtype(operand_dtype).name} ones")
+    if problem := cpu_gemm.bfloat16_problem():
+      return f"bfloat16 operands take XLA's products here: {problem}"
   if jnp.dtype(dtype) != jnp.float32:
     return (f"it computes float32 products, and these compute in "
             f"{jnp.dtype(dtype).name}")
