@@ -9,8 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
 from helpers import ROOT, run_python
+from vit_jax.model import variants
+
+ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
 
 
 def _run(*args: str, env: dict[str, str] | None = None,
@@ -570,6 +572,8 @@ def test_throughput_races_the_models_asked_for(capsys):
                                                                    64)
   assert base.dims() == dict(patch_size=16, hidden_size=768, num_layers=12,
                              num_heads=12, mlp_dim=3072)
+  for model in throughput.MODELS.values():  # vit_jax's table, every one
+    assert model.dims() == variants.VARIANTS[model.variant], model
   worker = lambda rate: {"images_per_s": rate, "compile_s": 9.0,
                          "peak_rss_mib": 1.0, "flops_per_image": 1e11}
   results = {}
