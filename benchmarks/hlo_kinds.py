@@ -120,15 +120,18 @@ def dot_flops(dot: Instruction, module: HloModule) -> float:
 
 # vit_jax's oneDNN products (kernels/cpu_gemm.py): the Dense product each
 # target computes, and the axis of its first operand that it contracts.
+# Their bfloat16 variants are the same names ending in "Bf16".
 _GEMM_TARGETS = {"VitGemm": (DENSE_KINDS[0], 2),
                  "VitGemmTransposedRight": (DENSE_KINDS[1], 2),
                  "VitGemmOverRows": (DENSE_KINDS[2], 1)}
 
 
-def gemm_flops(call: Instruction, module: HloModule, target: str) -> float:
-  """2 x output elements x contracted length of a oneDNN product's call."""
+def gemm_flops(call: Instruction, module: HloModule, contracted_axis: int
+               ) -> float:
+  """2 x output elements x contracted length of a oneDNN product's call,
+  which contracts `contracted_axis` of its first operand."""
   first = dims(module.instructions[call.operands[0]].shape)
-  return 2.0 * math.prod(dims(call.shape)) * first[_GEMM_TARGETS[target][1]]
+  return 2.0 * math.prod(dims(call.shape)) * first[contracted_axis]
 
 
 def _fused(instruction: Instruction, module: HloModule) -> list[Instruction]:
@@ -227,8 +230,10 @@ def classify(instruction: Instruction, module: HloModule,
       return "LayerNorm", 0.0
     if target.startswith("VitGelu"):
       return "GELU and MLP bias", 0.0
-    if target in _GEMM_TARGETS:
-      return _GEMM_TARGETS[target][0], gemm_flops(instruction, module, target)
+    gemm = _GEMM_TARGETS.get(target.removesuffix("Bf16"))
+    if gemm:
+      product, contracted_axis = gemm
+      return product, gemm_flops(instruction, module, contracted_axis)
     return "other custom calls", 0.0
   if instruction.opcode in _COLLECTIVES:
     return "all-reduce (waiting included)", 0.0

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, run_python
+from vit_jax.kernels import cpu_build
 from vit_jax.model import variants
 
 ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
@@ -697,7 +698,7 @@ def test_cpu_profile_tells_each_thunk_kind_apart():
   transposing copy), the weight gradient (two activations), the kernel,
   the all-reduce, the copy, a reduce-window XLA made without a scope (its
   reader's, LayerNorm), the optimizer's update, and oneDNN's three products
-  by their custom calls; FLOPs 2 x m x n x k."""
+  by their custom calls, float32 and bfloat16; FLOPs 2 x m x n x k."""
   hlo_kinds = _benchmark_module("hlo_kinds")
   module = hlo_kinds.parse_hlo(_TINY_HLO)
   consumers = hlo_kinds.thunk_consumers(module)
@@ -721,12 +722,17 @@ def test_cpu_profile_tells_each_thunk_kind_apart():
   for name, shape in (("x", "f32[1,8,4]"), ("dy", "f32[1,8,6]")):
     module.instructions[name] = hlo_kinds.Instruction(
         name, shape + "{2,1,0}", "bitcast", (), "", False, -1)
-  for target, operands, shape, product in (
-      ("VitGemm", ("x", "p0"), "f32[1,8,6]", "x.W (forward)"),
-      ("VitGemmTransposedRight", ("dy", "p0"), "f32[1,8,4]",
-       "dy.W^T (input gradients)"),
-      ("VitGemmOverRows", ("x", "dy"), "f32[1,4,6]",
-       "x^T.dy (weight gradients)")):
+  products = {"VitGemm": (("x", "p0"), "f32[1,8,6]", "x.W (forward)"),
+              "VitGemmTransposedRight": (("dy", "p0"), "f32[1,8,4]",
+                                         "dy.W^T (input gradients)"),
+              "VitGemmOverRows": (("x", "dy"), "f32[1,4,6]",
+                                  "x^T.dy (weight gradients)")}
+  # Every oneDNN product the kernels register, float32 and bfloat16
+  # operands alike (their results are float32).
+  targets = [t for t in cpu_build.TARGETS if t.startswith("VitGemm")]
+  assert len(targets) == 6
+  for target in targets:
+    operands, shape, product = products[target.removesuffix("Bf16")]
     call = hlo_kinds.Instruction(
         "custom-call.3", shape + "{2,1,0}", "custom-call", operands,
         f'custom_call_target="{target}"', False, -1)
