@@ -697,8 +697,9 @@ def test_cpu_profile_tells_each_thunk_kind_apart():
   (a YNNPACK fusion), the input gradient (it reads the weights through a
   transposing copy), the weight gradient (two activations), the kernel,
   the all-reduce, the copy, a reduce-window XLA made without a scope (its
-  reader's, LayerNorm), the optimizer's update, and oneDNN's three products
-  by their custom calls, float32 and bfloat16; FLOPs 2 x m x n x k."""
+  reader's, LayerNorm), the optimizer's update, oneDNN's three products by
+  their custom calls (float32 and bfloat16 operands) and the AdamW kernel;
+  FLOPs 2 x m x n x k."""
   hlo_kinds = _benchmark_module("hlo_kinds")
   module = hlo_kinds.parse_hlo(_TINY_HLO)
   consumers = hlo_kinds.thunk_consumers(module)
@@ -718,6 +719,9 @@ def test_cpu_profile_tells_each_thunk_kind_apart():
       'custom_call_target="VitTransposeToBfloat16"', False, -1)
   assert hlo_kinds.classify(transpose, module) == (
       "bfloat16 transposes (C++)", 0.0)
+  adamw = transpose._replace(attributes='custom_call_target="VitAdamW"')
+  assert hlo_kinds.classify(adamw, module) == (
+      "optimizer (AdamW, gradient norm)", 0.0)
   # oneDNN's products (kernels/cpu_gemm.py): one group of the 8 rows.
   for name, shape in (("x", "f32[1,8,4]"), ("dy", "f32[1,8,6]")):
     module.instructions[name] = hlo_kinds.Instruction(
