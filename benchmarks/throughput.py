@@ -35,9 +35,9 @@ transparent huge pages for large blocks, and LD_PRELOAD of tcmalloc if it is ins
 caller set those variables. They speed PyTorch up too, so the comparison is
 against the faster PyTorch.
 
-Prints the GEMM rates (and of a Dense layer's three products at ViT-Ti's
-widths, jax against torch, each on one thread: the train step runs them so,
-a device per core), one table (images/s, achieved GFLOP/s from XLA's
+Prints the GEMM rates (and of a Dense layer's three products at each raced
+width, jax against torch, each on one thread as the train step runs them, a
+device per core, in the race's operand dtype), one table (images/s, achieved GFLOP/s from XLA's
 FLOP count of the same model, % of the PyTorch GEMM rate measured in the same
 run, compile time (vit_jax's with its Python trace + lowering share in
 brackets), peak RSS),
@@ -132,8 +132,25 @@ def bench_matmul_dtype():
 # train step it keeps the fast one (docs/performance.md, "The kernels' gradients the
 # narrow way round").
 DENSE_PRODUCTS = ("x.W", "dy.W^T", "x^T.dy")
-DENSE_SHAPES = ((192, 576), (192, 192), (192, 768), (768, 192))  # (in, out)
-DENSE_ROWS = 32 * 197  # ViT-Ti/16 @224's train batch x tokens
+DENSE_ROWS = 32 * 197  # a 224 px train batch of 32 x its tokens
+
+
+def dense_shapes(hidden_size: int, mlp_dim: int) -> tuple:
+  """The (in, out) widths of an encoder block's Dense layers: q/k/v in one,
+  the attention's output, the MLP's two. The narrower of each is
+  hidden_size."""
+  return ((hidden_size, 3 * hidden_size), (hidden_size, hidden_size),
+          (hidden_size, mlp_dim), (mlp_dim, hidden_size))
+
+
+def raced_widths(models) -> dict:
+  """(hidden_size, mlp_dim) -> the names of `models` of those widths, in
+  the order raced: the per-core Dense products are timed once for each."""
+  widths = {}
+  for name in models:
+    model = MODELS[name]
+    widths.setdefault((model.hidden_size, model.mlp_dim), []).append(name)
+  return widths
 
 
 def worker_batch(model_name: str, mode: str, batch=None) -> int:
@@ -330,103 +347,103 @@ def dense_product_operands(product: str, rows: int, k: int, n: int):
           "x^T.dy": ((rows, k), (rows, n), (k, n))}[product]
 
 
-def dense_product_fn(library: str, product: str):
-  """(lhs, rhs) -> the product, as the library's train step computes it:
-  for jax, oneDNN's products where vit_jax's model takes them
-  (`kernels.cpu_gemm`, float32 on a CPU where it loads), else XLA's
-  dot_general with its contracting dimensions, and the weight gradient as
-  vit_jax's Dense layers do (`xla_products.kernel_gradient`); for torch, its
-  autodiff's transposes."""
+def dense_product_fn(library: str, product: str, operand_dtype=None):
+  """(lhs, rhs) -> the product, as the library's train step computes it,
+  with operand_dtype (None: float32; "bfloat16": mixed precision) as the
+  race runs it: for jax, the implementation vit_jax's Dense layers take
+  for it (`matmuls.resolve_implementation`: oneDNN's gemms, one group of
+  rows as on each device of the step, or XLA's products, the weight
+  gradient as `xla_products.kernel_gradient` orients it), float32 results;
+  for torch, its autodiff's transposes, in the operands' dtype (autocast's
+  bfloat16 results)."""
   if library == "jax":
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    from jax import lax  # pylint: disable=import-outside-toplevel
     from vit_jax.kernels import cpu_gemm, matmuls, xla_products  # pylint: disable=import-outside-toplevel
-    if matmuls.resolve_implementation("auto", jnp.float32) == "onednn":
-      return jax.jit({  # one group of rows, as on each device of the step
-          "x.W": lambda a, b: cpu_gemm.rows_times(a[None], b)[0],
-          "dy.W^T": lambda a, b: cpu_gemm.rows_times_transposed(a[None],
-                                                                b)[0],
-          "x^T.dy": lambda a, b: cpu_gemm.rows_transposed_times(a[None],
-                                                                b[None]),
+    if matmuls.resolve_implementation("auto", jnp.float32,
+                                      operand_dtype) == "onednn":
+      return jax.jit({
+          "x.W": lambda a, b: cpu_gemm.rows_times(a[None], b,
+                                                  operand_dtype)[0],
+          "dy.W^T": lambda a, b: cpu_gemm.rows_times_transposed(
+              a[None], b, operand_dtype)[0],
+          "x^T.dy": lambda a, b: cpu_gemm.rows_transposed_times(
+              a[None], b[None], operand_dtype),
       }[product])
     if product == "x^T.dy":
-      return jax.jit(xla_products.kernel_gradient)
+      return jax.jit(lambda a, b: xla_products.kernel_gradient(
+          a, b, None, operand_dtype))
     lhs_dim, rhs_dim = {"x.W": (1, 0), "dy.W^T": (1, 1)}[product]
-    return jax.jit(lambda a, b: lax.dot_general(
-        a, b, (((lhs_dim,), (rhs_dim,)), ((), ()))))
+    return jax.jit(lambda a, b: xla_products.product(
+        a, b, (((lhs_dim,), (rhs_dim,)), ((), ())), None, operand_dtype,
+        jnp.float32), compiler_options=xla_products.xla_compiler_options(
+            operand_dtype))
   return {"x.W": lambda a, b: a @ b, "dy.W^T": lambda a, b: a @ b.T,
           "x^T.dy": lambda a, b: a.T @ b}[product]
 
 
-def _bf16_gemm_rate(library: str, size: int) -> float:
-  """GFLOP/s of a size^3 product of bfloat16 operands as the library's
-  mixed precision runs it: jax accumulating float32 with vit_jax's
-  compiler options, torch as autocast does (bfloat16 result)."""
-  a = np.random.rand(size, size).astype(np.float32)
-  if library == "jax":
-    import jax
-    import jax.numpy as jnp
-    from vit_jax.kernels import xla_products
-    fn = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32),
-                 compiler_options=xla_products.xla_compiler_options(
-                     jnp.bfloat16))
-    a = jnp.asarray(a, jnp.bfloat16)
-    run = lambda: fn(a, a).block_until_ready()
-  else:
-    import torch
-    a = torch.from_numpy(a).bfloat16()
-    run = lambda: a @ a
-  run()
-  return 2 * size ** 3 / min(time_steps(run, 1) for _ in range(10)) / 1e9
-
-
-def gemm_worker(library: str, per_core: bool) -> dict:
-  """fp32 GEMM rates, GFLOP/s, on every core: 2048^3 and the MLP's
+def gemm_worker(library: str, per_core: bool,
+                models=DEFAULT_MODELS) -> dict:
+  """GEMM rates, GFLOP/s, on every core: float32 2048^3 and the MLP's
   (8320x192)@(192x768), with --matmul_dtype=bfloat16 also "bf16
-  2048x2048x2048"; per_core: on one thread, as vit_jax's train step runs
-  each product (a device per core, `per_core_environment`), each Dense
-  product at ViT-Ti's widths (keys "x.W 6304x192x576" and so on)."""
-  rates = {}
-  if library == "jax":
-    import jax
-    put, finish = jax.device_put, lambda result: result.block_until_ready()
-  else:
-    import torch
-    if per_core:
-      torch.set_num_threads(1)
-    put, finish = torch.from_numpy, lambda result: result
+  2048x2048x2048" (bfloat16 operands); per_core: on one thread, as
+  vit_jax's train step runs each product (a device per core,
+  `per_core_environment`), each Dense product at the widths of `models`
+  (keys "x.W 6304x192x576" and so on) in the race's operand dtype."""
+  if library == "torch" and per_core:
+    import torch  # pylint: disable=import-outside-toplevel
+    torch.set_num_threads(1)
+  matmul_dtype = bench_matmul_dtype()
   if per_core:
-    cases = [(product, DENSE_ROWS, k, n, f"{product} {DENSE_ROWS}x{k}x{n}")
-             for k, n in DENSE_SHAPES for product in DENSE_PRODUCTS]
+    cases = [(product, DENSE_ROWS, k, n, matmul_dtype,
+              f"{product} {DENSE_ROWS}x{k}x{n}")
+             for hidden, mlp in raced_widths(models)
+             for k, n in dense_shapes(hidden, mlp)
+             for product in DENSE_PRODUCTS]
   else:
-    cases = [("x.W", 2048, 2048, 2048, "2048x2048x2048"),
-             ("x.W", 8320, 192, 768, "8320x192x768")]
-    if bench_matmul_dtype():
-      rates["bf16 2048x2048x2048"] = _bf16_gemm_rate(library, 2048)
-  for product, m, k, n, key in cases:
+    cases = [("x.W", 2048, 2048, 2048, None, "2048x2048x2048"),
+             ("x.W", 8320, 192, 768, None, "8320x192x768")]
+    if matmul_dtype:
+      cases.append(("x.W", 2048, 2048, 2048, matmul_dtype,
+                    "bf16 2048x2048x2048"))
+  rates = {}
+  for product, m, k, n, dtype, key in cases:
     lhs, rhs, _ = dense_product_operands(product, m, k, n)
-    a = put(np.random.rand(*lhs).astype(np.float32))
-    b = put(np.random.rand(*rhs).astype(np.float32))
-    fn = dense_product_fn(library, product)
-    run = lambda: finish(fn(a, b))
+    a, b = (_operand(library, shape, dtype) for shape in (lhs, rhs))
+    fn = dense_product_fn(library, product, dtype)
+    run = ((lambda: fn(a, b).block_until_ready()) if library == "jax"
+           else (lambda: fn(a, b)))
     run()
     best = min(time_steps(run, 1) for _ in range(10))  # peak: least noise
     rates[key] = 2 * m * k * n / best / 1e9
   return rates
 
 
-def dense_product_rates(rates: dict) -> dict:
-  """FLOP-weighted GFLOP/s of each Dense product over `DENSE_SHAPES`, from
-  a gemm worker's rates."""
+def _operand(library: str, shape: tuple, dtype):
+  """A random operand of `shape` in the library's arrays, of `dtype`
+  (None: float32), on the library's CPU device."""
+  values = np.random.rand(*shape).astype(np.float32)
+  if library == "jax":
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    return jnp.asarray(values, dtype or jnp.float32)
+  import torch  # pylint: disable=import-outside-toplevel
+  tensor = torch.from_numpy(values)
+  return tensor.to(getattr(torch, dtype)) if dtype else tensor
+
+
+def dense_product_rates(rates: dict, hidden_size: int) -> dict:
+  """FLOP-weighted GFLOP/s of each Dense product over the shapes of one
+  width (those whose narrower side is hidden_size, `dense_shapes`), from a
+  per-core gemm worker's rates."""
   result = {}
   for product in DENSE_PRODUCTS:
     flops = seconds = 0.0
     for key, rate in rates.items():
       if key.startswith(product + " "):
         m, k, n = map(int, key.split()[1].split("x"))
-        flops += 2 * m * k * n
-        seconds += 2 * m * k * n / rate
+        if min(k, n) == hidden_size:
+          flops += 2 * m * k * n
+          seconds += 2 * m * k * n / rate
     result[product] = flops / seconds
   return result
 
@@ -555,7 +572,7 @@ def run_worker(args: argparse.Namespace) -> None:
     per_core = args.impl.startswith("gemm1-")
     if per_core:  # XLA:CPU splits a dot over the cores whatever its flags
       os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1])
-    result = gemm_worker(library, per_core)
+    result = gemm_worker(library, per_core, args.models)
   elif args.impl == "vit_jax":
     from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
     host.split_cpu_into_devices(  # before JAX starts
@@ -611,7 +628,8 @@ def run_race(args: argparse.Namespace, env: dict) -> Race:
 
   gemm_runs = lambda: (
       {lib: spawn([f"--impl=gemm-{lib}"], env) for lib in ("torch", "jax")},
-      {lib: spawn([f"--impl=gemm1-{lib}"], per_core_environment(env))
+      {lib: spawn([f"--impl=gemm1-{lib}", f"--models={','.join(args.models)}"],
+                  per_core_environment(env))
        for lib in ("torch", "jax")})
   loads = [machine_load()]
   gemm, per_core = gemm_runs()
@@ -651,8 +669,7 @@ def command_line(args: argparse.Namespace) -> str:
 def setting_lines(args: argparse.Namespace, env: dict, race: Race,
                   cpu_model: str, isa: list[str], cores: int) -> list[str]:
   """What the race ran on and with: the CPU, the GEMM rates, the flags."""
-  gemm, dense = race.gemm, {lib: dense_product_rates(rates)
-                            for lib, rates in race.per_core.items()}
+  gemm = race.gemm
   # The cores this process may use: `taskset -c 0,1` races two cores of a
   # larger CPU, as vit_jax's devices and PyTorch's threads both follow the
   # affinity mask.
@@ -663,7 +680,8 @@ def setting_lines(args: argparse.Namespace, env: dict, race: Race,
         f"{k}={v}" for k, v in AVX2_ONLY_ENVIRONMENT.items())
                  + " XLA_FLAGS+=--xla_cpu_max_isa=AVX2")
   if args.matmul_dtype == "bfloat16":
-    lines.append(f"GEMM bf16 GFLOP/s, 2048^3 (the % GEMM column's): torch "
+    lines.append(f"GEMM bf16 GFLOP/s, 2048^3 (the % GEMM column's; jax as "
+                 f"vit_jax's Dense layers run it): torch "
                  f"{gemm['torch']['bf16 2048x2048x2048']:.0f}, jax "
                  f"{gemm['jax']['bf16 2048x2048x2048']:.0f}")
   lines.append(
@@ -672,14 +690,7 @@ def setting_lines(args: argparse.Namespace, env: dict, race: Race,
       f"{gemm['torch']['8320x192x768']:.0f}, jax "
       f"{gemm['jax']['2048x2048x2048']:.0f} | "
       f"{gemm['jax']['8320x192x768']:.0f}")
-  lines.append(
-      f"A Dense layer's products at ViT-Ti's widths, {DENSE_ROWS} rows, "
-      f"one core each as the train step runs them (GFLOP/s over "
-      f"{len(DENSE_SHAPES)} widths, jax / torch): " + ", ".join(
-          f"{product} {dense['jax'][product]:.0f} / "
-          f"{dense['torch'][product]:.0f} "
-          f"({dense['jax'][product] / dense['torch'][product]:.2f})"
-          for product in DENSE_PRODUCTS))
+  lines += dense_product_lines(race.per_core, race.models, args.matmul_dtype)
   first_jax = race.results[race.models[0], "train", "vit_jax"][0]
   lines.append(f"vit_jax's XLA flags (vit_jax/runtime/host.py): "
                f"{first_jax['xla_flags']}")
@@ -688,6 +699,30 @@ def setting_lines(args: argparse.Namespace, env: dict, race: Race,
                f"LD_PRELOAD={env.get('LD_PRELOAD', '')}")
   lines.append(f"load average (1/5/15 min) at start / after round 1 / end: "
                f"{' ; '.join(race.loads)}")
+  return lines
+
+
+def dense_product_lines(per_core: dict, models, matmul_dtype: str
+                        ) -> list[str]:
+  """A line per width of the raced models: a Dense layer's three products
+  on one core each, jax against torch (`per_core`: library -> the per-core
+  gemm workers' rates)."""
+  operands = ("" if matmul_dtype == "float32" else
+              "; bfloat16 operands, jax's results float32, torch's bfloat16 "
+              "as autocast's")
+  lines = []
+  for (hidden, mlp), names in raced_widths(models).items():
+    dense = {lib: dense_product_rates(rates, hidden)
+             for lib, rates in per_core.items()}
+    lines.append(
+        f"A Dense layer's products at width {hidden} ({', '.join(names)}), "
+        f"{DENSE_ROWS} rows, one core each as the train step runs them "
+        f"(GFLOP/s over {len(dense_shapes(hidden, mlp))} shapes, jax / "
+        f"torch{operands}): " + ", ".join(
+            f"{product} {dense['jax'][product]:.0f} / "
+            f"{dense['torch'][product]:.0f} "
+            f"({dense['jax'][product] / dense['torch'][product]:.2f})"
+            for product in DENSE_PRODUCTS))
   return lines
 
 

@@ -347,43 +347,95 @@ def test_gpu_flags_unpadded_variant_stops_the_padding_for_cudnn_only_inside():
   assert not attention.needs_even_tokens("xla")
 
 
-def test_dense_products_are_a_dense_layers_forward_and_gradients():
+@pytest.mark.parametrize("operand_dtype", [None, "bfloat16"])
+def test_dense_products_are_a_dense_layers_forward_and_gradients(
+    operand_dtype):
   """The GEMM worker's three products, in jax and in torch, are y = x.W and
   the gradients of sum(y * dy) by x and W that autodiff computes, with the
-  operand and result shapes the worker allocates."""
+  operand and result shapes the worker allocates; with bfloat16 operands,
+  the products of the rounded operands (jax's results float32, torch's
+  bfloat16 as autocast's)."""
   import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   torch = pytest.importorskip("torch", reason="needs the [torch] extra")
   throughput = _benchmark_module("throughput")
   rows, k, n = 12, 5, 7
   rng = np.random.default_rng(0)
   x, w, dy = (rng.normal(size=shape).astype(np.float32)
               for shape in ((rows, k), (k, n), (rows, n)))
+  if operand_dtype:  # the values the products see
+    x, w, dy = (np.asarray(jnp.asarray(a, operand_dtype), np.float32)
+                for a in (x, w, dy))
   dx, dw = jax.grad(lambda x, w: (x @ w * dy).sum(), argnums=(0, 1))(x, w)
   expected = {"x.W": x @ w, "dy.W^T": dx, "x^T.dy": dw}
   operands = {"x.W": (x, w), "dy.W^T": (dy, w), "x^T.dy": (x, dy)}
+  put = {"jax": lambda a: jnp.asarray(a, operand_dtype or jnp.float32),
+         "torch": lambda a: torch.from_numpy(a).to(
+             getattr(torch, operand_dtype or "float32"))}
+  result_dtypes = {"jax": "float32", "torch": operand_dtype or "float32"}
   for product in throughput.DENSE_PRODUCTS:
     lhs, rhs, result = throughput.dense_product_operands(product, rows, k, n)
     assert (lhs, rhs) == tuple(a.shape for a in operands[product])
     assert result == expected[product].shape
-    for library, put in (("jax", jax.numpy.asarray),
-                         ("torch", torch.from_numpy)):
-      got = throughput.dense_product_fn(library, product)(
-          *map(put, operands[product]))
-      np.testing.assert_allclose(np.asarray(got), expected[product],
-                                 rtol=1e-5, atol=1e-5, err_msg=library)
+    for library in ("jax", "torch"):
+      got = throughput.dense_product_fn(library, product, operand_dtype)(
+          *map(put[library], operands[product]))
+      assert str(got.dtype).endswith(result_dtypes[library]), library
+      got = np.asarray(got.float() if library == "torch" else got)
+      # bfloat16 results round to 8 bits.
+      tolerance = 1e-5 if result_dtypes[library] == "float32" else 1e-2
+      np.testing.assert_allclose(got, expected[product], rtol=tolerance,
+                                 atol=tolerance, err_msg=library)
 
 
 def test_dense_product_rates_weigh_each_width_by_its_flops():
-  """Two widths at 100 and 300 GFLOP/s, the second 3x the FLOPs: the
-  product's rate is total FLOPs over total time, 1.5e9 x (1 + 3) /
-  (1.5e9 / 100 + 4.5e9 / 300) = 200."""
+  """Two shapes of width 500 at 100 and 300 GFLOP/s, the second 3x the
+  FLOPs: the product's rate is total FLOPs over total time, 1.5e9 x (1 +
+  3) / (1.5e9 / 100 + 4.5e9 / 300) = 200; shapes of another width are
+  not counted."""
   throughput = _benchmark_module("throughput")
-  rates = {"x.W 1000x500x1500": 100.0, "x.W 1000x1500x1500": 300.0,
+  rates = {"x.W 1000x500x1500": 100.0, "x.W 3000x1500x500": 300.0,
+           "x.W 1000x192x768": 1.0,  # another width
            "2048x2048x2048": 1.0}  # not a Dense product: not counted
-  rates.update({f"{p} 10x10x10": 50.0 for p in ("dy.W^T", "x^T.dy")})
-  result = throughput.dense_product_rates(rates)
+  for product in ("dy.W^T", "x^T.dy"):
+    rates.update({f"{product} 10x500x500": 50.0,
+                  f"{product} 10x192x768": 7.0})
+  result = throughput.dense_product_rates(rates, 500)
   assert result["x.W"] == pytest.approx(200.0)
   assert result["dy.W^T"] == pytest.approx(50.0)
+  assert throughput.dense_product_rates(rates, 192) == pytest.approx(
+      {"x.W": 1.0, "dy.W^T": 7.0, "x^T.dy": 7.0})
+
+
+def test_dense_product_lines_give_each_raced_width_its_line():
+  """One line per width of the raced models, naming them, each product's
+  jax / torch rate and ratio; with bfloat16 operands the line says so."""
+  throughput = _benchmark_module("throughput")
+  assert throughput.dense_shapes(768, 3072) == (
+      (768, 2304), (768, 768), (768, 3072), (3072, 768))
+  models = ("vit_tiny_cifar", "ViT-Ti/16@224", "ViT-B/16@224")
+  assert throughput.raced_widths(models) == {
+      (192, 768): ["vit_tiny_cifar", "ViT-Ti/16@224"],
+      (768, 3072): ["ViT-B/16@224"]}
+  per_core = {}
+  for library, rate in (("jax", 200.0), ("torch", 160.0)):
+    per_core[library] = {
+        f"{product} {throughput.DENSE_ROWS}x{k}x{n}": rate * (hidden / 768)
+        for hidden, mlp in ((192, 768), (768, 3072))
+        for k, n in throughput.dense_shapes(hidden, mlp)
+        for product in throughput.DENSE_PRODUCTS}
+  lines = throughput.dense_product_lines(per_core, models, "float32")
+  assert len(lines) == 2
+  assert lines[0].startswith(
+      "A Dense layer's products at width 192 (vit_tiny_cifar, "
+      "ViT-Ti/16@224), 6304 rows, one core each")
+  assert lines[0].endswith("x.W 50 / 40 (1.25), dy.W^T 50 / 40 (1.25), "
+                           "x^T.dy 50 / 40 (1.25)")
+  assert "width 768 (ViT-B/16@224)" in lines[1]
+  assert "x.W 200 / 160 (1.25)" in lines[1]
+  assert "bfloat16" not in lines[0]
+  bf16_lines = throughput.dense_product_lines(per_core, models, "bfloat16")
+  assert all("bfloat16 operands" in line for line in bf16_lines)
 
 
 def test_per_core_products_run_xla_and_torch_on_one_thread():
@@ -400,7 +452,7 @@ def test_per_core_products_run_xla_and_torch_on_one_thread():
       env=throughput.per_core_environment({}), timeout=300)[-1])
   assert sorted(measured) == sorted(
       f"{product} {throughput.DENSE_ROWS}x{k}x{n}"
-      for k, n in throughput.DENSE_SHAPES
+      for k, n in throughput.dense_shapes(192, 768)  # the default race's
       for product in throughput.DENSE_PRODUCTS)
   assert all(rate > 0 for rate in measured.values())
 
