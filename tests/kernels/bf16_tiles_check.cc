@@ -1,6 +1,7 @@
 // Checks the bfloat16 attention kernel's tiled passes (bf16_tiles.h) against
 // its passes without bfloat16 instructions: the same rounded operands, so
-// the same values to 1e-4 of the largest (sums in another order). Built
+// the same values to 1e-4 of the largest (sums in another order), written
+// to their rows of token-major arrays and nowhere else. Built
 // with the kernel's source included, for this CPU
 // (tests/kernels/test_cpu_attention.py). With argument "amx": the AMX
 // passes, which must also leave the thread's own tile configuration as they
@@ -34,16 +35,28 @@ PairOperands Draw(int64_t tq, int64_t tk, int64_t d) {
   return {draw(tq * d), draw(tk * d), draw(tk * d), draw(tq * d)};
 }
 
+// Filler between and after the outputs' rows: no pass may write there.
+constexpr float kSentinel = 12345.0f;
+// Rows of o, dq, dk and dv lie this many floats apart, as in the
+// projections' token-major arrays, where another pair's values follow a
+// row: the passes must write exactly their own rows and columns.
+int64_t RowStride(int64_t d) { return d + 16; }
+
 // The forward output and the three gradients of one pair, by the tiled
-// passes of Tiles (tiled=true) or the float32 products of rounded values.
+// passes of Tiles (tiled=true) or the float32 products of rounded values,
+// in rows RowStride(d) floats apart, and the probabilities, each followed
+// by 16 rows of sentinels.
 template <typename Tiles>
 std::vector<float> Run(const Shape& s, const PairOperands& x, bool tiled) {
-  const int64_t tq = s.query_tokens, tk = s.key_tokens, d = s.head_dim;
-  std::vector<float> out(2 * tq * d + 2 * tk * d), p(tq * s.padded_keys);
+  const int64_t tq = s.query_tokens, tk = s.key_tokens, row = s.o_row,
+                tkp = s.padded_keys;
+  const int64_t qn = (tq + 16) * row, kn = (tk + 16) * row;
+  std::vector<float> out(2 * qn + 2 * kn, kSentinel),
+      p((tq + 16) * tkp, kSentinel);
   float* o = out.data();
-  float* dq = o + tq * d;
-  float* dk = dq + tq * d;
-  float* dv = dk + tk * d;
+  float* dq = o + qn;
+  float* dk = dq + qn;
+  float* dv = dk + kn;
   if (tiled) {
     ForwardPairTiled<Tiles>(s, x.q.data(), x.k.data(), x.v.data(), o,
                             p.data());
@@ -54,24 +67,38 @@ std::vector<float> Run(const Shape& s, const PairOperands& x, bool tiled) {
     BackwardPairRounded(s, x.q.data(), x.k.data(), x.v.data(), p.data(),
                         x.dout.data(), dq, dk, dv);
   }
+  out.insert(out.end(), p.begin(), p.end());
   return out;
 }
 
 template <typename Tiles>
 int Check(int64_t tq, int64_t tk, int64_t d) {
-  const Shape s{1, 1, tq, tk, RoundUp(tk), d, d, d, d, 0.125f};
-  const PairOperands x = Draw(tq, tk, d);
+  const int64_t row = RowStride(d);
+  const Shape s{1, 1, tq, tk, RoundUp(tk), d, row, row, row, 0.125f};
+  PairOperands x = Draw(tq, tk, d);
+  // dO in rows of the same stride (o_row), its gaps never read.
+  std::vector<float> dout((tq + 16) * row, kSentinel);
+  for (int64_t i = 0; i < tq; ++i)
+    std::memcpy(&dout[i * row], &x.dout[i * d], d * sizeof(float));
+  x.dout = dout;
   const std::vector<float> got = Run<Tiles>(s, x, true);
   const std::vector<float> want = Run<Tiles>(s, x, false);
   double worst = 0.0, largest = 0.0;
+  int64_t overwritten = 0;
   for (size_t i = 0; i < got.size(); ++i) {
+    if (want[i] == kSentinel) {
+      overwritten += got[i] != kSentinel;
+      continue;
+    }
     worst = std::max(worst, std::fabs(double(got[i]) - want[i]));
     largest = std::max(largest, std::fabs(double(want[i])));
   }
-  const bool ok = worst <= 1e-4 * largest;
-  std::printf("%s tq=%ld tk=%ld d=%ld worst=%.2e largest=%.2e\n",
+  const bool ok = worst <= 1e-4 * largest && overwritten == 0;
+  std::printf("%s tq=%ld tk=%ld d=%ld worst=%.2e largest=%.2e "
+              "overwritten=%ld\n",
               ok ? "ok" : "FAIL", static_cast<long>(tq), static_cast<long>(tk),
-              static_cast<long>(d), worst, largest);
+              static_cast<long>(d), worst, largest,
+              static_cast<long>(overwritten));
   return ok ? 0 : 1;
 }
 

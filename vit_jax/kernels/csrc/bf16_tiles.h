@@ -221,6 +221,54 @@ void TileProduct(int64_t m_blocks, int64_t n_blocks, int64_t depth,
 
 #endif  // AMX
 
+// r[0..15], the rows of a 16 x 16 block, transposed in place: r[j] becomes
+// the block's column j. Within 128-bit lanes, then across them: rows
+// interleaved by single values, then by pairs, then lanes of four
+// gathered from four groups of rows.
+inline void Transpose16x16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  // r[4g + m], lane L: column 4L + m of rows 4g .. 4g + 3.
+  for (int i = 0; i < 16; i += 4)
+    for (int h = 0; h < 2; ++h) {
+      const __m512d a = _mm512_castps_pd(t[i + h]),
+                    b = _mm512_castps_pd(t[i + h + 2]);
+      r[i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      r[i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  for (int m = 0; m < 4; ++m)
+    for (int g = 0; g < 16; g += 8) {
+      t[m + g] = _mm512_shuffle_f32x4(r[m + g], r[m + g + 4], 0x88);
+      t[m + g + 4] = _mm512_shuffle_f32x4(r[m + g], r[m + g + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// out (columns x rows, leading dimension ldo) = x^T, x (rows x columns,
+// leading dimension ldx); rows a multiple of 16, x's rows readable up to a
+// multiple of 16 columns. In 16 x 16 blocks through registers: the
+// backward pass's dV and dK, computed transposed, were stored one value at
+// a time, ~10% of the pass.
+void StoreTransposed(int64_t rows, int64_t columns, const float* x,
+                     int64_t ldx, float* out, int64_t ldo) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 16)
+    for (int64_t c0 = 0; c0 < columns; c0 += 16) {
+      __m512 block[16];
+      for (int i = 0; i < 16; ++i)
+        block[i] = _mm512_loadu_ps(x + (r0 + i) * ldx + c0);
+      Transpose16x16(block);
+      const int64_t n = std::min<int64_t>(16, columns - c0);
+      for (int64_t j = 0; j < n; ++j)
+        _mm512_storeu_ps(out + (c0 + j) * ldo + r0, block[j]);
+    }
+}
+
 // Scratch of one thread for the tiled passes, in 32-bit words.
 uint32_t* TileScratch(size_t words) {
   thread_local std::vector<uint32_t> scratch;
