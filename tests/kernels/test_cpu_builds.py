@@ -265,7 +265,8 @@ def test_the_bfloat16_tiled_passes_give_the_rounded_values(
   """tests/kernels/bf16_tiles_check.cc, built for this CPU: the bfloat16
   kernel's forward and backward passes on AMX tiles and on AVX512_BF16's
   dot instruction give the values of the passes without bfloat16
-  instructions (the same rounded operands) to 1e-4 of the largest; the
+  instructions (the same rounded operands) to 1e-4 of the largest,
+  written to their rows of token-major arrays and nowhere else; the
   AMX passes restore the tile configuration another library left on the
   thread."""
   if platform.machine() != "x86_64" or flag not in open(
