@@ -37,10 +37,10 @@ against the faster PyTorch.
 
 Prints the GEMM rates (and of a Dense layer's three products at each raced
 width, jax against torch, each on one thread as the train step runs them, a
-device per core, in the race's operand dtype), one table (images/s, achieved GFLOP/s from XLA's
-FLOP count of the same model, % of the PyTorch GEMM rate measured in the same
-run, compile time (vit_jax's with its Python trace + lowering share in
-brackets), peak RSS),
+device per core, in the race's operand dtype), one table (images/s,
+achieved GFLOP/s from XLA's FLOP count of the same model, % of the PyTorch
+GEMM rate measured in the same run, compile time (vit_jax's with its Python
+trace + lowering share in brackets), peak RSS),
 with --growth the cost growth of vit_jax with image size and depth, and ends
 with
   summary: train_vs_timm=… infer_vs_timm=… train_gemm_fraction=… compile_s=…
@@ -626,10 +626,10 @@ def run_race(args: argparse.Namespace, env: dict) -> Race:
     return [f"--impl={impl}", f"--model={model}", f"--mode={mode}",
             f"--steps={args.steps}", *cpu_devices]
 
+  models = f"--models={','.join(args.models)}"  # the per-core widths
   gemm_runs = lambda: (
       {lib: spawn([f"--impl=gemm-{lib}"], env) for lib in ("torch", "jax")},
-      {lib: spawn([f"--impl=gemm1-{lib}", f"--models={','.join(args.models)}"],
-                  per_core_environment(env))
+      {lib: spawn([f"--impl=gemm1-{lib}", models], per_core_environment(env))
        for lib in ("torch", "jax")})
   loads = [machine_load()]
   gemm, per_core = gemm_runs()
