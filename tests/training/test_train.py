@@ -153,6 +153,27 @@ def test_the_log_advises_a_device_per_fast_core_on_a_hybrid_cpu(monkeypatch):
   assert run.cpu_devices_advice(-1, 2) is None
 
 
+def test_the_log_notes_the_state_copied_onto_each_cpu_device():
+  """CPU devices that each hold a copy of the train state get a note with
+  its size and the one-device alternative once the extra copies reach 512
+  MiB; one device, FSDP (which splits the state) or less, nothing. The
+  state's size is its arrays' bytes."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from vit_jax.training import run  # pylint: disable=import-outside-toplevel
+  gib = 2**30
+  note = run.replicated_state_note(2, 1, gib)
+  assert note.startswith("Note: each of this host's 2 CPU devices holds")
+  assert "(1,024 MiB), 2,048 MiB in all" in note
+  assert "--config.cpu_devices=0" in note
+  assert run.replicated_state_note(1, 1, 10 * gib) is None
+  assert run.replicated_state_note(8, 2, gib) is None
+  assert run.replicated_state_note(4, 1, 100 * 2**20) is None  # 300 MiB
+  assert run.replicated_state_note(8, 1, 100 * 2**20) is not None  # 700
+  state = {"params": jnp.zeros((4, 8)), "step": jnp.zeros((), jnp.int32),
+           "name": "not an array"}
+  assert run._state_bytes(state) == 4 * 8 * 4 + 4  # pylint: disable=protected-access
+
+
 def test_the_log_names_why_onednn_cannot_run_where_auto_would_take_it(
     monkeypatch):
   from vit_jax.kernels import cpu_gemm  # pylint: disable=import-outside-toplevel
