@@ -234,15 +234,24 @@ def test_auto_takes_onednn_for_float32_products_and_bfloat16_operands(
     resolve("onednn", jnp.float32)
 
 
-@pytest.mark.parametrize("instructions,problem", [
-    (("AVX512_BF16",), None),
-    (("AMX-BF16", "AVX512_BF16"), "AMX"),
-    ((), "no AVX512_BF16"),
-    (("BF16",), "no AVX512_BF16")])  # Arm's: oneDNN's x86 wheel only
+@pytest.mark.parametrize("instructions,cap,problem", [
+    (("AVX512_BF16",), None, None),
+    (("AVX512_BF16",), "avx512_core_bf16", None),
+    (("AVX512_BF16",), "ALL", None),
+    # --max_isa=avx2's cap: oneDNN's bfloat16 gemm is unimplemented there.
+    (("AVX512_BF16",), "AVX2", "ONEDNN_MAX_CPU_ISA=AVX2 holds oneDNN"),
+    (("AVX512_BF16",), "AVX512_CORE", "ONEDNN_MAX_CPU_ISA=AVX512_CORE"),
+    (("AMX-BF16", "AVX512_BF16"), None, "AMX"),
+    ((), None, "no AVX512_BF16"),
+    (("BF16",), None, "no AVX512_BF16")])  # Arm's: oneDNN's x86 wheel only
 def test_bfloat16_operands_take_onednn_on_avx512_bf16_without_amx(
-    monkeypatch, instructions, problem):
+    monkeypatch, instructions, cap, problem):
   monkeypatch.setattr(xla_products, "bfloat16_dot_instructions",
                       lambda: instructions)
+  if cap is None:
+    monkeypatch.delenv(cpu_gemm.ISA_CAP_VARIABLE, raising=False)
+  else:
+    monkeypatch.setenv(cpu_gemm.ISA_CAP_VARIABLE, cap)
   found = cpu_gemm.bfloat16_problem()
   assert found is None if problem is None else problem in found
 

@@ -103,16 +103,33 @@ def problem(device: Any = None) -> Optional[str]:
   return load()
 
 
+# oneDNN's cap on the instructions it uses (its documented variable), and
+# the caps that leave its bfloat16 gemm the AVX512_BF16 instructions. A
+# lower cap stands for a CPU without them, where bfloat16 operands take
+# XLA's products: below AVX512_CORE oneDNN's bfloat16 gemm reports
+# "unimplemented" (ONEDNN_MAX_CPU_ISA=AVX2, as benchmarks/throughput.py
+# --max_isa=avx2 sets it), at AVX512_CORE it emulates the instructions.
+ISA_CAP_VARIABLE = "ONEDNN_MAX_CPU_ISA"
+_CAPS_WITH_BFLOAT16 = frozenset((
+    "", "ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16",
+    "AVX10_1_512", "AVX512_CORE_AMX", "AVX10_1_512_AMX",
+    "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16"))
+
+
 def bfloat16_problem() -> Optional[str]:
   """Why bfloat16 operands should not take oneDNN's products on this CPU
   (it lacks AVX512_BF16, or has AMX, which YNNPACK uses and oneDNN's gemm
-  does not), or None."""
+  does not, or oneDNN is capped below AVX512_BF16), or None."""
   instructions = xla_products.bfloat16_dot_instructions()
   if "AMX-BF16" in instructions:
     return "this CPU has AMX, which XLA's YNNPACK products use"
   if "AVX512_BF16" not in instructions:
     return ("this CPU has no AVX512_BF16 instructions for oneDNN's "
             "bfloat16 gemm")
+  cap = os.environ.get(ISA_CAP_VARIABLE, "")
+  if cap.upper() not in _CAPS_WITH_BFLOAT16:
+    return (f"{ISA_CAP_VARIABLE}={cap} holds oneDNN below the AVX512_BF16 "
+            "instructions of its bfloat16 gemm")
   return None
 
 
