@@ -16,8 +16,8 @@ through oneDNN's gemm_bf16bf16f32 (float32 results) on CPUs with AVX512_BF16
 and no AMX: on one core of a Zen 4 it ran ViT-B/16's products at 201-212
 GFLOP/s against 120-167 for YNNPACK, which XLA:CPU runs them in otherwise,
 and ViT-Ti's at 168-200 against 147-171 (docs/performance.md, *Wider
-models, and bfloat16 products through oneDNN*). Where AMX is, YNNPACK uses it and stays (887 GFLOP/s at 2048^3 on
-a Xeon); oneDNN's gemm API does not.
+models, and bfloat16 products through oneDNN*). Where AMX is, YNNPACK uses
+it and stays (887 GFLOP/s at 2048^3 on a Xeon); oneDNN's gemm API does not.
 
 oneDNN comes from the `onednn-cpu-gomp` wheel (a dependency of vit_jax on
 x86-64 Linux), loaded on first use; its gemms are handed to the C++
@@ -176,7 +176,7 @@ def _operands(name: str, grouped: tuple, kernel: Optional[jax.Array],
   dtypes = {jnp.dtype(jnp.float32), dtype}
   if any(a.ndim != rank or a.dtype not in dtypes
          for a, rank in zip(arrays, ranks)):
-    what = " or ".join(sorted(dtype.name for dtype in dtypes))
+    what = " or ".join(sorted(allowed.name for allowed in dtypes))
     raise ValueError(
         f"{name} takes (G, rows, columns) {what} arrays"
         + (f" and a (K, N) {what} kernel" if kernel is not None else "")
