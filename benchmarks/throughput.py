@@ -7,6 +7,7 @@ r"""Training and inference speed of vit_jax against timm and torchvision.
   python benchmarks/throughput.py --max_isa=avx2    # as an AVX2-only CPU
   python benchmarks/throughput.py --matmul_dtype=bfloat16   # bf16 products
   python benchmarks/throughput.py --models=ViT-S/16@224,ViT-B/16@224
+  python benchmarks/throughput.py --batch=1   # one image at a time
 
 Two models with identical dims in every library, float32 on CPU:
   vit_tiny_cifar   32x32x3, patch 4, width 192, 12 layers, 3 heads, MLP 768
@@ -15,9 +16,13 @@ Train step = forward + backward + AdamW update (batch 128 / 32); inference =
 forward (batch 256 / 64). --models races others instead: ViT-S/16 @224
 (width 384, 6 heads, MLP 1536) and ViT-B/16 @224 (the paper's base: width
 768, 12 heads, MLP 3072), batches 32 / 64; the summary's cpu="…" then
-names them (45 minutes for both on 2 cores). vit_jax runs as configs/vit_tiny_cifar.py runs it
-on a CPU (config.cpu_devices=-1): a device per core, each taking part of the
-batch; PyTorch uses the same cores as intra-op threads.
+names them (45 minutes for both on 2 cores). --batch replaces every
+workload's batch (--batch=1: one image at a time, as an application
+classifying single photos runs), and the summary's cpu="…" says so.
+vit_jax runs as configs/vit_tiny_cifar.py runs it on a CPU
+(config.cpu_devices=-1): a device per core, each taking part of the batch,
+or one multi-threaded device where the batch does not split evenly; PyTorch
+uses the same cores as intra-op threads.
 Every measurement runs in a fresh process
 (`--worker`), so compile caches, allocator state and threads start alike,
 and takes the median of --steps (5) steps after a warm-up step (2 until
@@ -280,7 +285,7 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
   memory = step.compiled.memory_analysis()
   flops = step.xla_flops()
   seconds = time_steps(step, num_steps)
-  return {"images_per_s": step.batch / seconds,
+  return {"images_per_s": step.batch / seconds, "batch": step.batch,
           "flops_per_image": flops / step.batch,
           "compile_s": step.compile_s, "trace_s": step.trace_s,
           "peak_rss_mib": _peak_rss_mib(),
@@ -289,11 +294,12 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
           "matmul_dtype": step.matmul_dtype or "float32"}
 
 
-def torch_worker(impl: str, model_name: str, mode: str, steps: int) -> dict:
+def torch_worker(impl: str, model_name: str, mode: str, steps: int,
+                 batch=None) -> dict:
   """timm's or torchvision's ViT with the same dims, eager or compiled."""
   import torch
   size, dims = MODELS[model_name].image_size, MODELS[model_name].dims()
-  batch = worker_batch(model_name, mode)
+  batch = worker_batch(model_name, mode, batch)
   if impl.startswith("timm"):
     import timm
     model = timm.models.vision_transformer.VisionTransformer(
@@ -333,7 +339,8 @@ def torch_worker(impl: str, model_name: str, mode: str, steps: int) -> dict:
   run()  # eager warm-up, or torch.compile's compilation
   first = time.perf_counter() - start
   seconds = time_steps(run, steps)
-  result = {"images_per_s": batch / seconds, "peak_rss_mib": _peak_rss_mib()}
+  result = {"images_per_s": batch / seconds, "batch": batch,
+            "peak_rss_mib": _peak_rss_mib()}
   if impl.endswith("+compile"):  # eager has nothing to compile
     result["compile_s"] = first - seconds
   return result
@@ -540,7 +547,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="timed steps per worker (their median counts)")
   parser.add_argument("--image_size", type=int)
   parser.add_argument("--patch_size", type=int)
-  parser.add_argument("--batch", type=int)
+  parser.add_argument("--batch", type=int,
+                      help="every workload's batch in place of the "
+                      "model's; 1 times one image at a time (vit_jax then "
+                      "runs on one multi-threaded device)")
   parser.add_argument("--num_layers", type=int)
   parser.add_argument("--cpu_devices", type=int, default=-1,
                       help="vit_jax's config.cpu_devices: -1 (as in "
@@ -580,7 +590,8 @@ def run_worker(args: argparse.Namespace) -> None:
     result = jax_worker(args.model, args.mode, args.steps, args.image_size,
                         args.patch_size, args.batch, args.num_layers)
   else:
-    result = torch_worker(args.impl, args.model, args.mode, args.steps)
+    result = torch_worker(args.impl, args.model, args.mode, args.steps,
+                          args.batch)
   print(json.dumps(result), flush=True)
   os._exit(0)  # skips tearing down torch or JAX: up to ~1.3 s a worker
 
@@ -618,14 +629,19 @@ def _best_gemm(first: dict, second: dict) -> dict:
   return {shape: max(value, second[shape]) for shape, value in first.items()}
 
 
+def worker_args(args: argparse.Namespace, impl: str, model: str,
+                mode: str) -> list[str]:
+  """The arguments of the race's worker for one implementation and
+  workload."""
+  cpu_devices = [f"--cpu_devices={args.cpu_devices}"] * (impl == "vit_jax")
+  batch = [f"--batch={args.batch}"] * bool(args.batch)
+  return [f"--impl={impl}", f"--model={model}", f"--mode={mode}",
+          f"--steps={args.steps}", *cpu_devices, *batch]
+
+
 def run_race(args: argparse.Namespace, env: dict) -> Race:
   """GEMM workers, round 1 (every implementation), round 2 (vit_jax and
   the fastest PyTorch variant, the other way round), GEMM workers again."""
-  def worker_args(impl: str, model: str, mode: str) -> list[str]:
-    cpu_devices = [f"--cpu_devices={args.cpu_devices}"] * (impl == "vit_jax")
-    return [f"--impl={impl}", f"--model={model}", f"--mode={mode}",
-            f"--steps={args.steps}", *cpu_devices]
-
   models = f"--models={','.join(args.models)}"  # the per-core widths
   gemm_runs = lambda: (
       {lib: spawn([f"--impl=gemm-{lib}"], env) for lib in ("torch", "jax")},
@@ -636,14 +652,15 @@ def run_race(args: argparse.Namespace, env: dict) -> Race:
   results = {}
   for model, mode in workloads(args.models):
     for impl in ("vit_jax",) + TORCH_IMPLS:
-      results[model, mode, impl] = [spawn(worker_args(impl, model, mode), env)]
+      results[model, mode, impl] = [
+          spawn(worker_args(args, impl, model, mode), env)]
   loads.append(machine_load())
   for model, mode in workloads(args.models):
     fastest = max(TORCH_IMPLS, key=lambda impl, m=model, o=mode:
                   results[m, o, impl][0]["images_per_s"])
     for impl in (fastest, "vit_jax"):
       results[model, mode, impl].append(
-          spawn(worker_args(impl, model, mode), env))
+          spawn(worker_args(args, impl, model, mode), env))
   loads.append(machine_load())
   gemm_again, per_core_again = gemm_runs()
   return Race(results,
@@ -658,6 +675,7 @@ def command_line(args: argparse.Namespace) -> str:
       "" if args.fast_malloc else " --no-fast_malloc",
       "" if args.cpu_devices == -1 else f" --cpu_devices={args.cpu_devices}",
       "" if args.steps == 5 else f" --steps={args.steps}",
+      f" --batch={args.batch}" if args.batch else "",
       " --max_isa=avx2" if args.max_isa == "avx2" else "",
       " --matmul_dtype=bfloat16" if args.matmul_dtype == "bfloat16" else "",
       "" if args.models == DEFAULT_MODELS
@@ -820,6 +838,8 @@ def main():
     cpu_model += ", bfloat16 products vs torch autocast"
   if args.models != DEFAULT_MODELS:
     cpu_model += f", models {' '.join(args.models)}"
+  if args.batch:
+    cpu_model += f", batch {args.batch}"
   print("\n".join(results_table(race, gemm_rate)))
   if args.growth:
     print("\n" + "\n".join(growth_lines(env)))

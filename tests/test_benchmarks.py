@@ -598,10 +598,34 @@ def test_throughput_command_line_reruns_the_race():
   throughput = _benchmark_module("throughput")
   assert (throughput.command_line(throughput.parse_args([]))
           == "python benchmarks/throughput.py")
-  argv = ["--no-fast_malloc", "--cpu_devices=0", "--steps=3",
+  argv = ["--no-fast_malloc", "--cpu_devices=0", "--steps=3", "--batch=1",
           "--max_isa=avx2", "--matmul_dtype=bfloat16", "--growth"]
   assert (throughput.command_line(throughput.parse_args(argv))
           == "python benchmarks/throughput.py " + " ".join(argv))
+
+
+def test_throughput_batch_option_reaches_every_worker():
+  """--batch goes to the workers of both libraries (the model's batches
+  without it), and each worker reports the batch it timed: a timm worker
+  and a vit_jax worker at batch 1 (vit_jax then on one device)."""
+  throughput = _benchmark_module("throughput")
+  default = throughput.parse_args([])
+  single = throughput.parse_args(["--batch=1"])
+  for impl in ("vit_jax",) + throughput.TORCH_IMPLS:
+    assert not any(arg.startswith("--batch") for arg in
+                   throughput.worker_args(default, impl, "vit_tiny_cifar",
+                                          "infer"))
+    assert "--batch=1" in throughput.worker_args(single, impl,
+                                                 "vit_tiny_cifar", "infer")
+  for impl in ("timm", "vit_jax"):
+    measured = json.loads(_run(
+        "benchmarks/throughput.py", "--worker",
+        *throughput.worker_args(throughput.parse_args(
+            ["--batch=1", "--steps=1"]), impl, "vit_tiny_cifar", "infer"),
+        env={"XLA_FLAGS": ""}, timeout=300)[-1])
+    assert measured["batch"] == 1 and measured["images_per_s"] > 0, measured
+    if impl == "vit_jax":
+      assert "device_count" not in measured["xla_flags"], measured
 
 
 def test_throughput_races_the_models_asked_for(capsys):

@@ -123,7 +123,7 @@ class VisionTransformer(nn.Module):
       a CPU through oneDNN's sgemm where it loads (`kernels.cpu_gemm`; the
       ViT-Ti/16 @224 train step 7% faster than with XLA's own dots on an
       Intel Xeon) and bfloat16 operands through oneDNN's bfloat16 gemm on
-      CPUs with AVX512_BF16 and no AMX (ViT-B/16 @224 on a Zen 4: 1.24x
+      CPUs with AVX512_BF16 and no AMX (ViT-B/16 @224 on a Zen 4: 1.15x
       faster training, 1.43x inference than YNNPACK's); XLA's dots
       elsewhere (YNNPACK's on AMX); "onednn" or "xla" force one. Same
       parameters and values, up to float rounding.
