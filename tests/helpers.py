@@ -10,6 +10,7 @@ from typing import Mapping, Optional
 import jax
 
 from vit_jax import config as config_lib
+from vit_jax.kernels import cpu_gemm
 from vit_jax.training import loop
 from vit_jax.model.vit import VisionTransformer
 
@@ -30,6 +31,15 @@ def run_python(*args: str, env: Optional[Mapping[str, str]] = None,
                        if full_env.get("PYTHONPATH") else []))
   return subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env,
                         capture_output=True, text=True, timeout=timeout)
+
+
+def split_kernel_calls(monkeypatch, tasks: int) -> None:
+  """Makes the CPU kernels split each call into `tasks` parts, in the
+  programs traced from now on. JAX's caches are cleared: a function jitted
+  again with the same shapes would reuse the trace of a test before, with
+  the split that test asked for."""
+  monkeypatch.setattr(cpu_gemm, "tasks_per_device", lambda: tasks)
+  jax.clear_caches()
 
 
 def small_vit(**overrides) -> VisionTransformer:

@@ -14,6 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from vit_jax.kernels import cpu_build, cpu_gelu, cpu_gemm, gelu_matmul
 from vit_jax.runtime import sharding
 
+from helpers import split_kernel_calls  # pylint: disable=wrong-import-order
+
 needs_kernels = pytest.mark.skipif(
     cpu_build.problem() is not None,
     reason=f"the C++ kernels cannot run: {cpu_build.problem()}")
@@ -55,7 +57,7 @@ def test_values_and_gradients_match_a_float64_reference(monkeypatch, tasks,
   """Every group's rows split into `tasks` blocks (their bias gradients
   summed), rows that are not whole vectors, and tails where tanh saturates
   or exp would overflow."""
-  monkeypatch.setattr(cpu_gemm, "tasks_per_device", lambda: tasks)
+  split_kernel_calls(monkeypatch, tasks)
   h = _inputs(0, *shape)
   bias = _bias(1, shape[-1])
   activations_grad = np.random.default_rng(2).normal(size=shape).astype(

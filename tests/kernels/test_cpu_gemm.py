@@ -13,6 +13,8 @@ from vit_jax.kernels import cpu_gemm, gelu_matmul, matmuls, xla_products
 from vit_jax.model import vit
 from vit_jax.runtime import cpu_info, sharding
 
+from helpers import split_kernel_calls  # pylint: disable=wrong-import-order
+
 needs_onednn = pytest.mark.skipif(
     cpu_gemm.problem() is not None,
     reason=f"the oneDNN products cannot run: {cpu_gemm.problem()}")
@@ -31,13 +33,15 @@ def _normal(seed: int, *shape: int) -> np.ndarray:
 @needs_onednn
 @pytest.mark.parametrize("tasks", [1, 3])
 @pytest.mark.parametrize("groups,rows,depth,width", [
-    (1, 197, 64, 192), (2, 37, 20, 50), (3, 16, 1, 17), (1, 5, 40, 3)])
+    (1, 197, 64, 192), (2, 37, 20, 50), (3, 16, 1, 17), (1, 5, 40, 3),
+    (2, 401, 24, 40)])
 def test_the_three_products_match_a_float64_reference(
     monkeypatch, tasks, groups, rows, depth, width):
   """Per group x.W, dy.W^T and x^T.dy (summed over the groups), with each
   product split into `tasks` blocks of rows or columns (sizes that no block
-  divides included)."""
-  monkeypatch.setattr(cpu_gemm, "tasks_per_device", lambda: tasks)
+  divides included; x.W and dy.W^T split 401 rows by rows, fewer by
+  columns)."""
+  split_kernel_calls(monkeypatch, tasks)
   x, dy = _normal(0, groups, rows, depth), _normal(1, groups, rows, width)
   kernel = _normal(2, depth, width)
   f64 = lambda a: np.asarray(a, np.float64)
@@ -57,13 +61,13 @@ def test_the_three_products_match_a_float64_reference(
 @needs_bfloat16_gemm
 @pytest.mark.parametrize("tasks", [1, 3])
 @pytest.mark.parametrize("groups,rows,depth,width", [
-    (1, 197, 64, 192), (2, 37, 20, 50), (1, 5, 40, 3)])
+    (1, 197, 64, 192), (2, 37, 20, 50), (1, 5, 40, 3), (1, 401, 24, 40)])
 def test_bfloat16_operands_give_the_products_of_the_rounded_values(
     monkeypatch, tasks, groups, rows, depth, width):
   """With operand_dtype=bfloat16 each product reads its operands rounded
   to bfloat16 (float32 or bfloat16 ones) and returns float32: the float64
   product of the rounded values, to float32 accumulation."""
-  monkeypatch.setattr(cpu_gemm, "tasks_per_device", lambda: tasks)
+  split_kernel_calls(monkeypatch, tasks)
   x, dy = _normal(10, groups, rows, depth), _normal(11, groups, rows, width)
   kernel = _normal(12, depth, width)
   rounded = lambda a: np.asarray(a, jnp.bfloat16).astype(np.float64)

@@ -12,6 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from vit_jax.kernels import cpu_build, cpu_gemm, cpu_layer_norm
 from vit_jax.runtime import sharding
 
+from helpers import split_kernel_calls  # pylint: disable=wrong-import-order
+
 needs_kernels = pytest.mark.skipif(
     cpu_build.problem() is not None,
     reason=f"the C++ kernels cannot run: {cpu_build.problem()}")
@@ -44,7 +46,7 @@ def test_values_and_gradients_match_a_float64_reference(
   """Forward and backward against JAX's autodiff of the formula in float64,
   each group's rows split into `tasks` blocks (sizes that no block
   divides, widths that are not whole vectors, rows far from zero mean)."""
-  monkeypatch.setattr(cpu_gemm, "tasks_per_device", lambda: tasks)
+  split_kernel_calls(monkeypatch, tasks)
   x = 4.0 * _normal(0, groups, rows, features) + 3.0
   scale, bias = _normal(1, features), _normal(2, features)
   output_grad = _normal(3, groups, rows, features)

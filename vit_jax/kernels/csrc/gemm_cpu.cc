@@ -10,9 +10,10 @@
 //   VitGemmTransposedRight   c (M, N) = a (M, K) b (N, K)^T      dy.W^T
 //   VitGemmOverRows          c (K, N) = a (R, K)^T b (R, N)      x^T.dy
 // The attribute `tasks` splits each group's product into that many parts on
-// XLA's intra-op threads: blocks of c's rows for the first two, of c's
-// columns for the third (whose rows are the contraction). sgemm itself runs
-// on one OpenMP thread: the parallelism is XLA's devices and these tasks.
+// XLA's intra-op threads: blocks of c's rows for the first two (of its
+// columns where the rows are few, kRowsPerTask), of c's columns for the
+// third (whose rows are the contraction). sgemm itself runs on one OpenMP
+// thread: the parallelism is XLA's devices and these tasks.
 
 #include <algorithm>
 #include <atomic>
@@ -87,8 +88,19 @@ ffi::Error CheckShapes(const ffi::Buffer<kType>& a,
   return ffi::Error::Success();
 }
 
+// Below this many of c's rows per task, x.W and dy.W^T split c's columns
+// instead of its rows. oneDNN's sgemm runs rows in whole tiles (48 on
+// AVX-512), so a few rows per task ran slowly: on 2 threads of a Zen 4,
+// 65 x 192 x 768 took 141 us split into 48 and 17 rows, 131 into 32 and 33,
+// 103 into 384 columns each; 197 x 768 x 3072 6.7, 6.3 and 5.5 ms. From
+// ~200 rows a task on, the rows' split is as fast or faster (6304 x 192 x
+// 768: 9.8 against 11.4 ms by columns). A device per core (tasks = 1)
+// never splits; one device with several cores and small batches does (one
+// image at a time: 65 or 197 rows).
+constexpr int64_t kRowsPerTask = 128;
+
 // c = a b, or a b^T with kTransposedRight; each group's rows of c in
-// blocks.
+// blocks, or its columns where the rows are few.
 template <ffi::DataType kType, bool kTransposedRight>
 ffi::Error RowsTimes(ffi::ThreadPool pool, ffi::Buffer<kType> a,
                      ffi::Buffer<kType> b, ffi::ResultBuffer<ffi::F32> c,
@@ -107,13 +119,23 @@ ffi::Error RowsTimes(ffi::ThreadPool pool, ffi::Buffer<kType> a,
   float* cp = c->typed_data();
   std::atomic<int> status{0};
   std::atomic<int>* sp = &status;
-  ForEachBlock(pool, groups, Blocks(m, tasks, 16),
-               [=](int64_t g, int64_t r0, int64_t rows) {
-                 Gemm('N', kTransposedRight ? 'T' : 'N', rows, n, k,
-                      ap + (g * m + r0) * k, k, bp + g * k * n,
-                      kTransposedRight ? k : n, cp + (g * m + r0) * n, n,
-                      sp);
-               });
+  const char b_layout = kTransposedRight ? 'T' : 'N';
+  const int64_t ldb = kTransposedRight ? k : n;
+  if (m < kRowsPerTask * tasks) {
+    ForEachBlock(pool, groups, Blocks(n, tasks, 16),
+                 [=](int64_t g, int64_t c0, int64_t columns) {
+                   // Column c0 of b: an offset of c0 rows of b^T.
+                   const int64_t b0 = kTransposedRight ? c0 * k : c0;
+                   Gemm('N', b_layout, m, columns, k, ap + g * m * k, k,
+                        bp + g * k * n + b0, ldb, cp + g * m * n + c0, n, sp);
+                 });
+  } else {
+    ForEachBlock(pool, groups, Blocks(m, tasks, 16),
+                 [=](int64_t g, int64_t r0, int64_t rows) {
+                   Gemm('N', b_layout, rows, n, k, ap + (g * m + r0) * k, k,
+                        bp + g * k * n, ldb, cp + (g * m + r0) * n, n, sp);
+                 });
+  }
   return GemmStatus(status);
 }
 

@@ -46,18 +46,24 @@ void ForEachTask(xla::ffi::ThreadPool& pool, int64_t tasks, Work work,
   state->finished.wait(lock, [&] { return state->done.load() == tasks; });
 }
 
-// Blocks of `size` in multiples of `align` for `tasks` tasks (at least
-// one): the first index of block i is Start(i).
+// `size` split into at most `tasks` blocks of a multiple of `align` each
+// (none if size is 0), the last taking the rest: as even as the alignment
+// allows (394 rows in 2 blocks aligned to 16: 192 and 202, where rounding
+// the blocks up gave 208 and 186). The first index of block i is
+// Start(i).
 struct Blocks {
-  int64_t size, step;
+  int64_t size, step, blocks;
   Blocks(int64_t size, int64_t tasks, int64_t align) : size(size) {
     tasks = std::max<int64_t>(tasks, 1);
     const int64_t per_task = (size + tasks - 1) / tasks;
-    step = std::max<int64_t>(align, (per_task + align - 1) / align * align);
+    step = std::max<int64_t>(align, per_task / align * align);
+    blocks = std::min<int64_t>(tasks, (size + step - 1) / step);
   }
-  int64_t count() const { return (size + step - 1) / step; }
+  int64_t count() const { return blocks; }
   int64_t Start(int64_t i) const { return std::min(size, i * step); }
-  int64_t Length(int64_t i) const { return Start(i + 1) - Start(i); }
+  int64_t Length(int64_t i) const {
+    return i + 1 == blocks ? size - Start(i) : step;
+  }
 };
 
 // Runs work(group, start, length) for every block of every group, as tasks
