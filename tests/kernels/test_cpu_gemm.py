@@ -34,13 +34,13 @@ def _normal(seed: int, *shape: int) -> np.ndarray:
 @pytest.mark.parametrize("tasks", [1, 3])
 @pytest.mark.parametrize("groups,rows,depth,width", [
     (1, 197, 64, 192), (2, 37, 20, 50), (3, 16, 1, 17), (1, 5, 40, 3),
-    (2, 401, 24, 40)])
+    (2, 401, 24, 40), (2, 37, 24, 800), (1, 37, 800, 24)])
 def test_the_three_products_match_a_float64_reference(
     monkeypatch, tasks, groups, rows, depth, width):
   """Per group x.W, dy.W^T and x^T.dy (summed over the groups), with each
   product split into `tasks` blocks of rows or columns (sizes that no block
-  divides included; x.W and dy.W^T split 401 rows by rows, fewer by
-  columns)."""
+  divides included; x.W and dy.W^T split few rows and 800 columns by
+  columns, else by rows)."""
   split_kernel_calls(monkeypatch, tasks)
   x, dy = _normal(0, groups, rows, depth), _normal(1, groups, rows, width)
   kernel = _normal(2, depth, width)
@@ -61,7 +61,8 @@ def test_the_three_products_match_a_float64_reference(
 @needs_bfloat16_gemm
 @pytest.mark.parametrize("tasks", [1, 3])
 @pytest.mark.parametrize("groups,rows,depth,width", [
-    (1, 197, 64, 192), (2, 37, 20, 50), (1, 5, 40, 3), (1, 401, 24, 40)])
+    (1, 197, 64, 192), (2, 37, 20, 50), (1, 5, 40, 3), (1, 401, 24, 40),
+    (1, 37, 24, 800), (1, 37, 800, 24)])
 def test_bfloat16_operands_give_the_products_of_the_rounded_values(
     monkeypatch, tasks, groups, rows, depth, width):
   """With operand_dtype=bfloat16 each product reads its operands rounded

@@ -88,19 +88,21 @@ ffi::Error CheckShapes(const ffi::Buffer<kType>& a,
   return ffi::Error::Success();
 }
 
-// Below this many of c's rows per task, x.W and dy.W^T split c's columns
-// instead of its rows. oneDNN's sgemm runs rows in whole tiles (48 on
-// AVX-512), so a few rows per task ran slowly: on 2 threads of a Zen 4,
-// 65 x 192 x 768 took 141 us split into 48 and 17 rows, 131 into 32 and 33,
-// 103 into 384 columns each; 197 x 768 x 3072 6.7, 6.3 and 5.5 ms. From
-// ~200 rows a task on, the rows' split is as fast or faster (6304 x 192 x
-// 768: 9.8 against 11.4 ms by columns). A device per core (tasks = 1)
-// never splits; one device with several cores and small batches does (one
-// image at a time: 65 or 197 rows).
-constexpr int64_t kRowsPerTask = 128;
+// With fewer than kRowsPerTask of c's rows per task and at least
+// kColumnsPerTask of its columns, x.W and dy.W^T split c's columns instead
+// of its rows. oneDNN's sgemm runs rows in whole tiles (48 on AVX-512), so
+// a few rows per task ran slowly: on 2 threads of a Zen 4, 65 x 192 x 768
+// took 141 us split into 48 and 17 rows, 131 into 32 and 33, 103 into 384
+// columns each; 197 x 768 x 3072 6.7, 6.3 and 5.5 ms. Narrow products
+// split by columns ran slower (65 x 768 x 192 with b transposed: 138 us by
+// rows, 169 by columns), and from ~200 rows a task on the rows' split is
+// as fast or faster (6304 x 192 x 768: 9.8 against 11.4 ms by columns). A
+// device per core (tasks = 1) never splits; one device with several cores
+// and small batches does (one image at a time: 65 or 197 rows).
+constexpr int64_t kRowsPerTask = 128, kColumnsPerTask = 256;
 
 // c = a b, or a b^T with kTransposedRight; each group's rows of c in
-// blocks, or its columns where the rows are few.
+// blocks, or its columns where the rows are few and the columns many.
 template <ffi::DataType kType, bool kTransposedRight>
 ffi::Error RowsTimes(ffi::ThreadPool pool, ffi::Buffer<kType> a,
                      ffi::Buffer<kType> b, ffi::ResultBuffer<ffi::F32> c,
@@ -121,7 +123,7 @@ ffi::Error RowsTimes(ffi::ThreadPool pool, ffi::Buffer<kType> a,
   std::atomic<int>* sp = &status;
   const char b_layout = kTransposedRight ? 'T' : 'N';
   const int64_t ldb = kTransposedRight ? k : n;
-  if (m < kRowsPerTask * tasks) {
+  if (m < kRowsPerTask * tasks && n >= kColumnsPerTask * tasks) {
     ForEachBlock(pool, groups, Blocks(n, tasks, 16),
                  [=](int64_t g, int64_t c0, int64_t columns) {
                    // Column c0 of b: an offset of c0 rows of b^T.
