@@ -193,10 +193,10 @@ def test_clipping_into_adamw_is_optaxs_chain(implementation, grad_size):
 
 @needs_kernels
 def test_in_a_train_step_on_a_mesh_the_kernel_adds_no_communication():
-  """The train step on a batch-split mesh (8 devices): with the kernel, the
-  same loss and params as with XLA's updates after three steps, and no more
-  collectives in the compiled program (every device updates its whole
-  replica)."""
+  """The train step on a batch-split mesh (8 devices): with the kernels
+  (AdamW's and the gradients' norm), the same loss, gradient norm and
+  params as with XLA's after three steps, and no more collectives in the
+  compiled program (every device updates its whole replica)."""
   mesh = sharding.make_mesh()
   model = vit.VisionTransformer(num_classes=10, patch_size=4, hidden_size=32,
                                 num_layers=2, num_heads=2, mlp_dim=64)
@@ -209,20 +209,23 @@ def test_in_a_train_step_on_a_mesh_the_kernel_adds_no_communication():
   for implementation in ("xla", "cpu_kernel"):
     tx = optim.clip_by_global_norm_into(
         optim.adamw(1e-3, weight_decay=0.05, implementation=implementation),
-        1.0)
+        1.0, implementation=implementation)
     state = steps.create_train_state(model, (16, 16, 3), tx, 0, mesh)
     step = jax.jit(functools.partial(
         steps.train_step, preprocess=lambda x, _: x.astype(jnp.float32) / 255,
-        label_smoothing=0.0, learning_rate_fn=lambda _: 1e-3),
+        label_smoothing=0.0, learning_rate_fn=lambda _: 1e-3,
+        global_norm=functools.partial(optim.global_norm,
+                                      implementation=implementation)),
                    donate_argnums=0)
     hlo = step.lower(state, images, labels).compile().as_text()
-    assert ("VitAdamW" in hlo) == (implementation == "cpu_kernel")
+    for kernel in ("VitAdamW", "VitSumOfSquares"):
+      assert (kernel in hlo) == (implementation == "cpu_kernel")
     collectives.append(sum(hlo.count(f" {op}(") for op in (
         "all-reduce", "all-gather", "all-to-all", "collective-permute",
         "reduce-scatter")))
     for _ in range(3):
       state, metrics = step(state, images, labels)
-    results.append((state.params, metrics["loss"]))
+    results.append((state.params, metrics["loss"], metrics["grad_norm"]))
   assert collectives[1] <= collectives[0]
   # atol: the attention's key bias has no gradient but rounding noise,
   # which AdamW turns into steps of either sign (its updates' values are
@@ -248,12 +251,12 @@ def test_fsdp_takes_xlas_updates_and_refuses_the_kernel():
   config = ml_collections.ConfigDict({
       "optimizer_implementation": "auto",
       "mesh": {"data": -1, "fsdp": 2}})
-  assert optim.adamw_implementation(config) == "xla"
+  assert optim.optimizer_implementation(config) == "xla"
   config.optimizer_implementation = "cpu_kernel"
   with pytest.raises(ValueError, match="mesh.fsdp=1"):
-    optim.adamw_implementation(config)
+    optim.optimizer_implementation(config)
   config.mesh.fsdp = 1
-  assert optim.adamw_implementation(config) == "cpu_kernel"
+  assert optim.optimizer_implementation(config) == "cpu_kernel"
 
 
 @needs_kernels

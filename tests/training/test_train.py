@@ -314,17 +314,19 @@ def test_adamw_matches_optax_bit_for_bit(schedule, mask, grouped):
     chex.assert_trees_all_equal(both[1]["other"], params["other"])
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_global_norm_and_clipping_match_optax(sharded):
+@pytest.mark.parametrize("sharded,implementation",
+                         [(False, "auto"), (False, "xla"), (True, "auto")])
+def test_global_norm_and_clipping_match_optax(sharded, implementation):
   tree = _gradient_like_tree()
   expected = np.sqrt(sum(np.sum(np.square(leaf.astype(np.float64)))
                          for leaf in jax.tree.leaves(tree)))
-  norm = jax.jit(optim.global_norm, static_argnums=1)(tree, sharded)
+  norm = jax.jit(optim.global_norm, static_argnums=(1, 2))(
+      tree, sharded, implementation)
   np.testing.assert_allclose(norm, expected, rtol=1e-6)
   np.testing.assert_allclose(norm, optax.global_norm(tree), rtol=1e-6)
   assert float(optim.global_norm({}, sharded)) == 0.0
   for max_norm in (expected / 3, expected * 2):  # clipped, then kept
-    ours = optim.clip_by_global_norm(max_norm, sharded)
+    ours = optim.clip_by_global_norm(max_norm, sharded, implementation)
     theirs = optax.clip_by_global_norm(max_norm)
     # No state, as optax's: checkpoints restore across the two.
     assert jax.tree.leaves(ours.init(tree)) == jax.tree.leaves(

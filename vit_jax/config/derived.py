@@ -125,7 +125,7 @@ def train_step_options(config: ml_collections.ConfigDict, mean: np.ndarray,
       skip_nonfinite=config.skip_nonfinite_steps,
       mixup_alpha=config.mixup_alpha, cutmix_alpha=config.cutmix_alpha,
       ema_decay=config.ema_decay, ema_start_step=ema_start_step,
-      sam_rho=config.sam_rho, sharded_params=optim.shards_params(config))
+      sam_rho=config.sam_rho, global_norm=optim.global_norm_of(config))
 
 
 def eval_step_options(config: ml_collections.ConfigDict, apply_fn,

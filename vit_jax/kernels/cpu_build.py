@@ -4,7 +4,8 @@ The kernels (`csrc/*.cc`: the attention core in float32 and with bfloat16
 operands, `cpu_attention.py`; the bfloat16 transpose, `cpu_transpose.py`;
 the Dense layers' products through oneDNN, `cpu_gemm.py`; LayerNorm,
 `cpu_layer_norm.py`; the MLP's GELU, `cpu_gelu.py`; AdamW's update,
-`cpu_adamw.py`; the headers they share) are XLA FFI handlers in one shared
+`cpu_adamw.py`, and the gradients' sum of squares,
+`cpu_sum_of_squares.py`; the headers they share) are XLA FFI handlers in one shared
 library, compiled from source with the system's C++ compiler (`$CXX`, else
 `c++`) the first time one is needed on a machine, for that machine's CPU
 (-march=native on x86, -mcpu=native on Arm), and cached under
@@ -39,7 +40,8 @@ from vit_jax.runtime import cpu_info
 _CSRC = pathlib.Path(__file__).parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in (
     "attention_cpu.cc", "attention_bf16_cpu.cc", "transpose_cpu.cc",
-    "gemm_cpu.cc", "layer_norm_cpu.cc", "gelu_cpu.cc", "adamw_cpu.cc"))
+    "gemm_cpu.cc", "layer_norm_cpu.cc", "gelu_cpu.cc", "adamw_cpu.cc",
+    "sum_of_squares_cpu.cc"))
 HEADERS = tuple(_CSRC / name for name in (
     "attention_core.h", "attention_handlers.h", "bf16_tiles.h",
     "parallel_tasks.h", "vectors.h"))
@@ -59,7 +61,7 @@ TARGETS = (*(f"VitAttention{family}{handler}{suffix}"
            "VitGemmOverRowsBf16", "VitLayerNormForward", "VitLayerNormBackward",
            "VitGelu", "VitGeluBackward", "VitGeluBf16", "VitGeluBackwardBf16")
 # Kernels on whole (replicated) operands, not split over a batch axis.
-REPLICATED_TARGETS = ("VitAdamW",)
+REPLICATED_TARGETS = ("VitAdamW", "VitSumOfSquares")
 
 
 def cache_dir() -> pathlib.Path:

@@ -10,7 +10,9 @@ optimizer state). AdamW is `training.adamw`'s: optax.adamw's values,
 quicker to trace, one C++ update on a CPU.
 """
 
+import functools
 import re
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ import ml_collections
 import optax
 from flax import traverse_util
 
+from vit_jax.kernels import cpu_adamw, cpu_sum_of_squares
 from vit_jax.runtime import sharding
 from vit_jax.training.adamw import adamw
 
@@ -131,21 +134,28 @@ def trainable_labels(params, trainable: str):
       for path in flat})
 
 
-def global_norm(tree, sharded: bool = False) -> jax.Array:
+def global_norm(tree, sharded: bool = False,
+                implementation: str = "auto") -> jax.Array:
   """The L2 norm of all of `tree`'s leaves together, a scalar
   (`optax.global_norm`'s value, up to float rounding).
 
-  Why one vector: optax reduces each leaf on its own, ~200 reductions for
-  a ViT, and XLA:CPU compiled those ~2.5 s slower in a vit_tiny_cifar
-  train step than this one reduction over the leaves concatenated. With
-  `sharded` (leaves split over devices, FSDP) each leaf is reduced where it
-  lies: concatenating would gather every shard onto every device.
+  On a CPU, float32 leaves whole on each device are read once by a C++
+  kernel (`kernels.cpu_sum_of_squares` says why); implementation is
+  config.optimizer_implementation ("auto", "cpu_kernel" or "xla", as for
+  AdamW's update). XLA's path reduces one vector of the leaves
+  concatenated: optax reduces each leaf on its own, ~200 reductions for a
+  ViT, which XLA:CPU compiled ~2.5 s slower in a vit_tiny_cifar train step.
+  With `sharded` (leaves split over devices, FSDP) each leaf is reduced
+  where it lies: concatenating would gather every shard onto every device.
   """
   leaves = jax.tree.leaves(tree)
   if not leaves:
     return jnp.zeros((), jnp.float32)
   if sharded:  # in their own shapes: raveling can gather too
     return jnp.sqrt(sum(jnp.sum(jnp.square(leaf)) for leaf in leaves))
+  if cpu_adamw.resolve_implementation(implementation,
+                                      leaves) == "cpu_kernel":
+    return jnp.sqrt(cpu_sum_of_squares.sum_of_squares(leaves))
   flat = jnp.concatenate([jnp.ravel(leaf) for leaf in leaves])
   return jnp.sqrt(jnp.sum(jnp.square(flat)))
 
@@ -157,15 +167,17 @@ def shards_params(config: ml_collections.ConfigDict) -> bool:
   return sizes[sharding.FSDP_AXIS] > 1
 
 
-def clip_by_global_norm(max_norm: float, sharded: bool = False
+def clip_by_global_norm(max_norm: float, sharded: bool = False,
+                        implementation: str = "auto"
                         ) -> optax.GradientTransformation:
-  """`optax.clip_by_global_norm` through `global_norm`: updates scaled by
-  max_norm / norm when their norm exceeds max_norm. No state, as optax's,
-  so checkpoints of either restore into the other."""
+  """`optax.clip_by_global_norm` through `global_norm` (with `sharded` and
+  `implementation`): updates scaled by max_norm / norm when their norm
+  exceeds max_norm. No state, as optax's, so checkpoints of either restore
+  into the other."""
 
   def update(updates, state, params=None):
     del params
-    norm = global_norm(updates, sharded)
+    norm = global_norm(updates, sharded, implementation)
     keep = norm < max_norm
     return jax.tree.map(
         lambda u: jnp.where(keep, u, u / norm.astype(u.dtype) * max_norm),
@@ -176,9 +188,11 @@ def clip_by_global_norm(max_norm: float, sharded: bool = False
 
 
 def clip_by_global_norm_into(inner: optax.GradientTransformation,
-                             max_norm: float, sharded: bool = False
+                             max_norm: float, sharded: bool = False,
+                             implementation: str = "auto"
                              ) -> optax.GradientTransformationExtraArgs:
-  """`optax.chain(clip_by_global_norm(max_norm, sharded), inner)` for an
+  """`optax.chain(clip_by_global_norm(max_norm, sharded, implementation),
+  inner)` for an
   `inner` that takes the clipping factor as its `grad_scale` argument
   (`adamw`, or a chain starting with it), with that chain's state, so
   checkpoints restore with either.
@@ -189,11 +203,11 @@ def clip_by_global_norm_into(inner: optax.GradientTransformation,
   reads it instead (the vit_tiny_cifar step on a 2-core AMD EPYC compiled
   in 4.6-4.7 s against 7.8-8.3 s with optax.chain).
   """
-  clip = clip_by_global_norm(max_norm, sharded)
+  clip = clip_by_global_norm(max_norm, sharded, implementation)
 
   def update_fn(grads, state, params=None, **extra_args):
     clip_state, inner_state = state
-    norm = global_norm(grads, sharded)
+    norm = global_norm(grads, sharded, implementation)
     scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
     updates, inner_state = inner.update(grads, inner_state, params,
                                         grad_scale=scale, **extra_args)
@@ -203,7 +217,7 @@ def clip_by_global_norm_into(inner: optax.GradientTransformation,
       lambda params: (clip.init(params), inner.init(params)), update_fn)
 
 
-def adamw_implementation(config: ml_collections.ConfigDict) -> str:
+def optimizer_implementation(config: ml_collections.ConfigDict) -> str:
   """config.optimizer_implementation, or "xla" for "auto" where FSDP splits
   the parameters over devices (the kernel reads whole ones)."""
   requested = config.get("optimizer_implementation", "auto")
@@ -217,15 +231,24 @@ def adamw_implementation(config: ml_collections.ConfigDict) -> str:
   return "xla"
 
 
+def global_norm_of(config: ml_collections.ConfigDict
+                   ) -> Callable[[Any], jax.Array]:
+  """`global_norm` of a tree of gradients, split over devices as config's
+  mesh splits the parameters, by config's optimizer implementation."""
+  return functools.partial(global_norm, sharded=shards_params(config),
+                           implementation=optimizer_implementation(config))
+
+
 def make_optimizer(config: ml_collections.ConfigDict,
                    schedule: optax.Schedule) -> optax.GradientTransformation:
   """Global-norm clipping (if grad_clip_norm > 0), then AdamW or SGD."""
   mask = None if config.decay_all_params else weight_decay_mask
+  implementation = optimizer_implementation(config)
   if config.optimizer == "adamw":
     update = adamw(
         learning_rate=schedule, b1=config.adam_b1, b2=config.adam_b2,
         weight_decay=config.weight_decay, mask=mask,
-        implementation=adamw_implementation(config))
+        implementation=implementation)
   elif config.optimizer == "lamb":
     update = optax.lamb(
         learning_rate=schedule, b1=config.adam_b1, b2=config.adam_b2,
@@ -241,10 +264,11 @@ def make_optimizer(config: ml_collections.ConfigDict,
     update = optax.chain(update, scale_by_layer(config.layer_decay))
   if config.grad_clip_norm > 0 and config.optimizer == "adamw":
     update = clip_by_global_norm_into(update, config.grad_clip_norm,
-                                      shards_params(config))
+                                      shards_params(config), implementation)
   elif config.grad_clip_norm > 0:
     update = optax.chain(
-        clip_by_global_norm(config.grad_clip_norm, shards_params(config)),
+        clip_by_global_norm(config.grad_clip_norm, shards_params(config),
+                            implementation),
         update)
   if config.trainable != "all":
     update = optax.multi_transform(

@@ -89,7 +89,8 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
                accum_steps: int = 1, skip_nonfinite: bool = False,
                mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
                ema_decay: float = 0.0, ema_start_step: int = 0,
-               sam_rho: float = 0.0, sharded_params: bool = False
+               sam_rho: float = 0.0,
+               global_norm: Callable[[Any], jax.Array] = optim.global_norm
                ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step on a uint8 batch (B, H, W, C) with int labels (B,).
 
@@ -108,14 +109,13 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
   uses the gradient at params + sam_rho * g / |g|, g the batch's (or
   micro-batch's) gradient, on the same inputs and dropout: two forward and
   backward passes per step. Loss and accuracy are those at the params.
-  sharded_params says the params are split over devices (FSDP), for
-  `optim.global_norm`.
+  global_norm(grads) is the gradients' norm (for the metrics and SAM):
+  `optim.global_norm` with the config's sharding and implementation.
   """
   gradients = functools.partial(
       _gradients, state, preprocess=preprocess,
       label_smoothing=label_smoothing, mixup_alpha=mixup_alpha,
-      cutmix_alpha=cutmix_alpha, sam_rho=sam_rho,
-      sharded_params=sharded_params)
+      cutmix_alpha=cutmix_alpha, sam_rho=sam_rho, global_norm=global_norm)
   step_key = jax.random.fold_in(state.rng, state.step)
   if accum_steps == 1:
     grads, loss, accuracy = gradients(images, labels, step_key)
@@ -124,7 +124,7 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
         gradients, state.params, images, labels, step_key, accum_steps)
   # The scope names the update's kernels in profiles (cpu_profile.py).
   with jax.named_scope("optimizer"):
-    grad_norm = optim.global_norm(grads, sharded_params)
+    grad_norm = global_norm(grads)
     new_state = state.apply_gradients(grads=grads)
     if ema_decay:
       new_state = new_state.replace(ema_params=_moving_average(
@@ -146,7 +146,7 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
 def _gradients(state: TrainState, images: jax.Array, labels: jax.Array,
                key: jax.Array, *, preprocess, label_smoothing: float,
                mixup_alpha: float, cutmix_alpha: float, sam_rho: float,
-               sharded_params: bool
+               global_norm: Callable[[Any], jax.Array]
                ) -> tuple[Any, jax.Array, jax.Array]:
   """(gradient of the params, loss, accuracy) on one (micro-)batch, its
   augmentation, mixing and dropout drawn from `key`. With sam_rho, the
@@ -169,7 +169,7 @@ def _gradients(state: TrainState, images: jax.Array, labels: jax.Array,
   if sam_rho:
     # The global norm: under jit the gradient is already the whole
     # (micro-)batch's, so every device climbs to the same point.
-    scale = sam_rho / (optim.global_norm(grads, sharded_params) + 1e-12)
+    scale = sam_rho / (global_norm(grads) + 1e-12)
     ascended = jax.tree.map(lambda p, g: p + scale * g, state.params, grads)
     grads, _ = jax.grad(loss_fn, has_aux=True)(ascended)
   return grads, loss, jnp.mean(jnp.argmax(logits, -1) == labels)
