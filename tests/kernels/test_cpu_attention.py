@@ -17,6 +17,8 @@ from vit_jax.kernels import cpu_attention, cpu_build
 from vit_jax.model import vit
 from vit_jax.runtime import sharding
 
+from helpers import split_kernel_calls  # pylint: disable=wrong-import-order
+
 pytestmark = pytest.mark.skipif(
     cpu_attention.problem(jnp.float32, 64) is not None,
     reason=f"the CPU kernel cannot be built here: "
@@ -122,6 +124,45 @@ def test_values_and_gradients_match_a_float64_reference(
     np.testing.assert_allclose(got, expected, rtol=2e-5, atol=3e-5)
   np.testing.assert_allclose(_inference(query, key, value, bias), output,
                              rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("operand_dtype", [None, jnp.bfloat16])
+@pytest.mark.parametrize("batch, heads, query_tokens, key_tokens, head_dim", [
+    (1, 3, 197, 197, 64),  # ViT-Ti/16 @224, one image: 3 pairs, 2 threads
+    (1, 3, 65, 65, 64),    # vit_tiny_cifar, one image
+    (1, 1, 50, 50, 32),    # one pair
+    (1, 3, 40, 65, 32)])   # fewer queries than keys
+def test_pairs_split_into_blocks_of_queries_give_the_same_values(
+    monkeypatch, batch, heads, query_tokens, key_tokens, head_dim,
+    operand_dtype):
+  """With 2 threads a call and fewer pairs than keep both busy, each
+  pair's queries run as blocks (attention_handlers.h, QueryBlocks): the
+  output and dq the same bits as unsplit (each query row's arithmetic is
+  its own), dk, dv and the bias's gradient (summed over the blocks) within
+  float32 rounding of unsplit, and float32's against float64."""
+  query, key, value, output_grad, bias = _operands(
+      batch, heads, query_tokens, key_tokens, head_dim)
+  results = []
+  for tasks in (1, 2):
+    split_kernel_calls(monkeypatch, tasks)
+    output, vjp = _kernel(query, key, value, bias, operand_dtype)
+    results.append((np.asarray(output), np.asarray(
+        _inference(query, key, value, bias, operand_dtype)),
+                    [np.asarray(g) for g in vjp(output_grad)]))
+  (unsplit, unsplit_inferred, unsplit_gradients), (
+      output, inferred, gradients) = results
+  np.testing.assert_array_equal(output, unsplit)
+  np.testing.assert_array_equal(inferred, unsplit_inferred)
+  np.testing.assert_array_equal(gradients[0], unsplit_gradients[0])
+  for got, want in zip(gradients[1:], unsplit_gradients[1:]):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  if operand_dtype is None:
+    expected_output, expected_gradients = _reference(
+        query, key, value, output_grad, head_dim ** -0.5, bias)
+    np.testing.assert_allclose(output, expected_output, rtol=2e-5,
+                               atol=2e-6)
+    for got, expected in zip(gradients, expected_gradients):
+      np.testing.assert_allclose(got, expected, rtol=2e-5, atol=3e-5)
 
 
 def test_the_packed_and_split_forms_agree_and_reject_wrong_operands():

@@ -9,9 +9,10 @@ import numpy as np
 import optax
 import pytest
 
-from tests.helpers import split_kernel_calls
 from vit_jax.kernels import cpu_build, cpu_sum_of_squares
 from vit_jax.training import optim
+
+from helpers import split_kernel_calls  # pylint: disable=wrong-import-order
 
 pytestmark = pytest.mark.skipif(
     cpu_build.problem() is not None,

@@ -50,26 +50,82 @@ void ColumnSums(int64_t rows, int64_t columns, const float* x, int64_t ld,
   }
 }
 
-// A pair's q, k and v with their bias, contiguous: q (Tq x D), k and v
-// (Tk x D each), in this thread's scratch (valid until its next pair).
+// dk and dv (rows x columns, leading dimension ld) = the sums of `blocks`
+// blocks' parts, each a contiguous (rows x columns) dk then dv.
+void SumBlocks(int64_t rows, int64_t columns, int64_t blocks,
+               const float* parts, int64_t ld, float* dk, float* dv) {
+  const int64_t size = rows * columns;
+  for (int64_t which = 0; which < 2; ++which) {
+    float* out = which == 0 ? dk : dv;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < columns; c += kLanes) {
+        Vec sum = Load(parts + which * size + r * columns + c);
+        for (int64_t b = 1; b < blocks; ++b)
+          sum += Load(parts + (2 * b + which) * size + r * columns + c);
+        Store(out + r * ld + c, sum);
+      }
+  }
+}
+
+// A pair's queries [, start + length) and its keys and values with
+// their bias, contiguous: q (length x D), k and v (Tk x D each), in this
+// thread's scratch (valid until its next block).
 struct BiasedPair {
   const float *q, *k, *v;
 };
 
-BiasedPair WithBias(const Shape& s, const Operands& in, int64_t i) {
-  const int64_t d = s.head_dim, tq = s.query_tokens, tk = s.key_tokens;
+BiasedPair WithBias(const Shape& s, const Operands& in, int64_t i,
+                    int64_t start, int64_t length) {
+  const int64_t d = s.head_dim, tk = s.key_tokens;
   thread_local std::vector<float> scratch;
-  if (scratch.size() < size_t((tq + 2 * tk) * d))
-    scratch.resize((tq + 2 * tk) * d);
+  if (scratch.size() < size_t((length + 2 * tk) * d))
+    scratch.resize((length + 2 * tk) * d);
   float* q = scratch.data();
-  float* k = q + tq * d;
+  float* k = q + length * d;
   float* v = k + tk * d;
-  const int64_t qo = PairOffset(s, i, tq, s.q_row),
+  const int64_t qo = PairOffset(s, i, s.query_tokens, s.q_row),
                 ko = PairOffset(s, i, tk, s.kv_row);
-  AddBias(tq, d, in.q + qo, s.q_row, in.bias + BiasOffset(s, i, 0), q);
+  AddBias(length, d, in.q + qo + start * s.q_row, s.q_row,
+          in.bias + BiasOffset(s, i, 0), q);
   AddBias(tk, d, in.k + ko, s.kv_row, in.bias + BiasOffset(s, i, 1), k);
   AddBias(tk, d, in.v + ko, s.kv_row, in.bias + BiasOffset(s, i, 2), v);
   return BiasedPair{q, k, v};
+}
+
+// Query rows a block starts on a multiple of (the bfloat16 kernel's tiles
+// are 16 rows), and what a block costs beyond its rows, in rows: its copy
+// of the keys and values with their bias, and their transpose.
+constexpr int64_t kQueryAlign = 16, kBlockOverheadRows = 4;
+
+// The blocks each pair's queries are split into, so that a call's tasks
+// (pairs x blocks) end together on its threads: one block, the whole pair,
+// unless the pairs alone leave threads idle at the end. One image's 3 heads
+// on 2 threads ran 2 pairs on one and 1 on the other; as 6 half pairs, 3
+// each. The count minimises rounds of tasks x rows a task.
+Blocks QueryBlocks(const Shape& s, const ffi::ThreadPool& pool) {
+  const int64_t pairs = s.batch * s.heads, tq = s.query_tokens,
+                workers = std::max<int64_t>(
+                    1, std::min<int64_t>(pool.num_threads(), s.threads));
+  Blocks best(tq, 1, kQueryAlign);
+  int64_t best_cost = INT64_MAX;
+  for (int64_t split = 1; split <= std::min<int64_t>(workers, tq / kQueryAlign);
+       ++split) {
+    const Blocks blocks(tq, split, kQueryAlign);
+    const int64_t rounds = (pairs * blocks.count() + workers - 1) / workers;
+    const int64_t cost =
+        rounds * (blocks.Length(blocks.count() - 1) + kBlockOverheadRows);
+    if (cost < best_cost) best = blocks, best_cost = cost;
+  }
+  return best;
+}
+
+// The shape a block of `length` queries runs as, writing its keys' and
+// values' gradients kv_row floats apart.
+Shape BlockShape(const Shape& s, int64_t length, int64_t kv_row) {
+  Shape block = s;
+  block.query_tokens = length;
+  block.kv_row = kv_row;
+  return block;
 }
 
 // The shape of self-attention over projections (B, T, 3, H, D): q, k and
@@ -126,35 +182,64 @@ typedef void (*BackwardPairFunction)(const Shape&, const float*, const float*,
                                      const float*, const float*, const float*,
                                      float*, float*, float*);
 
-// The forward pass of every pair. p is null for inference: the
-// probabilities then stay in scratch.
+// The forward pass of every pair, a block of its queries to a task. p is
+// null for inference: the probabilities then stay in scratch.
 void Forward(ffi::ThreadPool& pool, const Shape& s, const Operands& in,
              float* o, float* p, ForwardPairFunction forward_pair) {
-  ForEachTask(pool, s.batch * s.heads, [=](int64_t i) {
-    const BiasedPair pair = WithBias(s, in, i);
-    forward_pair(s, pair.q, pair.k, pair.v,
-                 o + PairOffset(s, i, s.query_tokens, s.o_row),
-                 p ? p + i * s.query_tokens * s.padded_keys : nullptr);
+  const int64_t tq = s.query_tokens;
+  ForEachBlock(pool, s.batch * s.heads, QueryBlocks(s, pool),
+               [=](int64_t i, int64_t start, int64_t length) {
+    const BiasedPair pair = WithBias(s, in, i, start, length);
+    forward_pair(BlockShape(s, length, s.kv_row), pair.q, pair.k, pair.v,
+                 o + PairOffset(s, i, tq, s.o_row) + start * s.o_row,
+                 p ? p + (i * tq + start) * s.padded_keys : nullptr);
   }, s.threads);
 }
 
+// Pair i's part of the bias's gradient (B, 3, H, D): its dq's, dk's and
+// dv's sums over their tokens.
+void BiasGradient(const Shape& s, int64_t i, const float* dq, const float* dk,
+                  const float* dv, float* dbias) {
+  const int64_t d = s.head_dim, tq = s.query_tokens, tk = s.key_tokens,
+                qo = PairOffset(s, i, tq, s.q_row),
+                ko = PairOffset(s, i, tk, s.kv_row);
+  ColumnSums(tq, d, dq + qo, s.q_row, dbias + BiasOffset(s, i, 0));
+  ColumnSums(tk, d, dk + ko, s.kv_row, dbias + BiasOffset(s, i, 1));
+  ColumnSums(tk, d, dv + ko, s.kv_row, dbias + BiasOffset(s, i, 2));
+}
+
 // The backward pass of every pair: dq, dk and dv at the offsets of q, k
-// and v, and the bias's gradient (B, 3, H, D) summed over each batch
-// element's tokens.
+// and v, and the bias's gradient. A block of a pair's queries to a task
+// (QueryBlocks); where a pair has several, each block's part of dk and dv
+// goes to scratch, and a second pass over the pairs adds them up.
 void Backward(ffi::ThreadPool& pool, const Shape& s, const Operands& in,
               const float* p, const float* dout, float* dq, float* dk,
               float* dv, float* dbias, BackwardPairFunction backward_pair) {
-  ForEachTask(pool, s.batch * s.heads, [=](int64_t i) {
-    const int64_t d = s.head_dim, tq = s.query_tokens, tk = s.key_tokens,
-                  qo = PairOffset(s, i, tq, s.q_row),
-                  ko = PairOffset(s, i, tk, s.kv_row);
-    const BiasedPair pair = WithBias(s, in, i);
-    backward_pair(s, pair.q, pair.k, pair.v, p + i * tq * s.padded_keys,
-                  dout + PairOffset(s, i, tq, s.o_row), dq + qo, dk + ko,
-                  dv + ko);
-    ColumnSums(tq, d, dq + qo, s.q_row, dbias + BiasOffset(s, i, 0));
-    ColumnSums(tk, d, dk + ko, s.kv_row, dbias + BiasOffset(s, i, 1));
-    ColumnSums(tk, d, dv + ko, s.kv_row, dbias + BiasOffset(s, i, 2));
+  const int64_t d = s.head_dim, tq = s.query_tokens, tk = s.key_tokens,
+                pairs = s.batch * s.heads;
+  const Blocks blocks = QueryBlocks(s, pool);
+  const int64_t split = blocks.count(), kv = tk * d;
+  // Per pair and block: its dk, then its dv, (Tk x D) each.
+  std::vector<float> scratch(split > 1 ? pairs * split * 2 * kv : 0);
+  float* const parts = scratch.data();
+  ForEachBlock(pool, pairs, blocks,
+               [=](int64_t i, int64_t start, int64_t length) {
+    const int64_t ko = PairOffset(s, i, tk, s.kv_row);
+    const BiasedPair pair = WithBias(s, in, i, start, length);
+    float* part = parts + (i * split + start / blocks.step) * 2 * kv;
+    backward_pair(BlockShape(s, length, split > 1 ? d : s.kv_row), pair.q,
+                  pair.k, pair.v, p + (i * tq + start) * s.padded_keys,
+                  dout + PairOffset(s, i, tq, s.o_row) + start * s.o_row,
+                  dq + PairOffset(s, i, tq, s.q_row) + start * s.q_row,
+                  split > 1 ? part : dk + ko, split > 1 ? part + kv : dv + ko);
+    if (split == 1) BiasGradient(s, i, dq, dk, dv, dbias);
+  }, s.threads);
+  if (split == 1) return;
+  ForEachTask(pool, pairs, [=](int64_t i) {
+    const int64_t ko = PairOffset(s, i, tk, s.kv_row);
+    SumBlocks(tk, d, split, parts + i * split * 2 * kv, s.kv_row, dk + ko,
+              dv + ko);
+    BiasGradient(s, i, dq, dk, dv, dbias);
   }, s.threads);
 }
 

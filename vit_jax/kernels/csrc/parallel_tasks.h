@@ -67,14 +67,15 @@ struct Blocks {
 };
 
 // Runs work(group, start, length) for every block of every group, as tasks
-// on XLA's intra-op threads.
+// on XLA's intra-op threads (at most `threads` of them).
 template <typename Work>
 void ForEachBlock(xla::ffi::ThreadPool& pool, int64_t groups,
-                  const Blocks& blocks, Work work) {
+                  const Blocks& blocks, Work work,
+                  int64_t threads = INT64_MAX) {
   ForEachTask(pool, groups * blocks.count(), [=](int64_t task) {
     const int64_t block = task % blocks.count();
     work(task / blocks.count(), blocks.Start(block), blocks.Length(block));
-  });
+  }, threads);
 }
 
 }  // namespace
