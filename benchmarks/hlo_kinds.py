@@ -230,7 +230,8 @@ def classify(instruction: Instruction, module: HloModule,
       return "LayerNorm", 0.0
     if target.startswith("VitGelu"):
       return "GELU and MLP bias", 0.0
-    if target == "VitAdamW":  # kernels/cpu_adamw.py
+    # kernels/cpu_adamw.py, kernels/cpu_sum_of_squares.py
+    if target in ("VitAdamW", "VitSumOfSquares"):
       return "optimizer (AdamW, gradient norm)", 0.0
     gemm = _GEMM_TARGETS.get(target.removesuffix("Bf16"))
     if gemm:

@@ -795,9 +795,11 @@ def test_cpu_profile_tells_each_thunk_kind_apart():
       'custom_call_target="VitTransposeToBfloat16"', False, -1)
   assert hlo_kinds.classify(transpose, module) == (
       "bfloat16 transposes (C++)", 0.0)
-  adamw = transpose._replace(attributes='custom_call_target="VitAdamW"')
-  assert hlo_kinds.classify(adamw, module) == (
-      "optimizer (AdamW, gradient norm)", 0.0)
+  for target in ("VitAdamW", "VitSumOfSquares"):
+    optimizer = transpose._replace(
+        attributes=f'custom_call_target="{target}"')
+    assert hlo_kinds.classify(optimizer, module) == (
+        "optimizer (AdamW, gradient norm)", 0.0)
   # oneDNN's products (kernels/cpu_gemm.py): one group of the 8 rows.
   for name, shape in (("x", "f32[1,8,4]"), ("dy", "f32[1,8,6]")):
     module.instructions[name] = hlo_kinds.Instruction(

@@ -71,12 +71,13 @@ def _xla_update(grad, mu, nu, param):
 
 
 @needs_kernels
-@pytest.mark.parametrize("tasks", [1, 3])
-def test_values_match_a_float64_reference(tasks):
+@pytest.mark.parametrize("tasks,apply", [(1, False), (3, False), (3, True)])
+def test_values_match_a_float64_reference(tasks, apply):
   """Leaves that are not whole vectors, scalars, several chunks (70,001
   values), decay on some and off on others, a gradient scale below 1 (as
   clipping gives), spread over `tasks` threads: every result within a few
-  float32 roundings of its terms' scale, as XLA's own are."""
+  float32 roundings of its terms' scale, as XLA's own are; with `apply`
+  the first results are the parameters updated."""
   shapes = [(37, 5), (7,), (), (70_001,), (3, 64, 192), (13,)] * 2
   leaves = _leaves(0, shapes)
   decayed = [i % 3 != 1 for i in range(len(shapes))]
@@ -84,10 +85,15 @@ def test_values_match_a_float64_reference(tasks):
   grads, mus, nus, params = (list(part) for part in zip(*leaves))
   results = jax.jit(lambda *trees: cpu_adamw.update(
       *trees, decayed, c1, c2, step, scale, b1=B1, b2=B2, eps=EPS,
-      weight_decay=WEIGHT_DECAY, tasks=tasks))(grads, mus, nus, params)
+      weight_decay=WEIGHT_DECAY, apply=apply, tasks=tasks))(
+          grads, mus, nus, params)
   for i, leaf in enumerate(leaves):
     expected, scales = _float64_reference(*leaf, decayed[i], c1, c2, step,
                                           scale)
+    if apply:
+      param = leaf[3].astype(np.float64)
+      expected = (param + expected[0], *expected[1:])
+      scales = (np.abs(param) + scales[0], *scales[1:])
     for result, want, bound in zip((r[i] for r in results), expected,
                                    scales):
       assert result.shape == leaf[0].shape and result.dtype == jnp.float32
@@ -189,6 +195,58 @@ def test_clipping_into_adamw_is_optaxs_chain(implementation, grad_size):
   assert jax.tree.structure(ref_state) == jax.tree.structure(our_state)
   _assert_close(ref_params, our_params)
   _assert_close(ref_state, our_state)
+
+
+def _run_applied(tx, params, seed: int, steps_: int = 5):
+  """_run through optim.apply_gradients, jitted with the params and state
+  donated as the train step's are."""
+  rng = np.random.default_rng(seed)
+  params = jax.tree.map(jnp.copy, params)  # the caller's are not donated
+  state = tx.init(params)
+  step = jax.jit(functools.partial(optim.apply_gradients, tx),
+                 donate_argnums=(1, 2))
+  for _ in range(steps_):
+    grads = jax.tree.map(lambda x: jnp.asarray(
+        rng.normal(size=x.shape), jnp.float32), params)
+    params, state = step(grads, state, params)
+  return params, state
+
+
+@pytest.mark.parametrize("implementation", ["xla", "cpu_kernel"])
+@pytest.mark.parametrize("form", ["adamw", "clipped", "chained", "grouped"])
+def test_apply_gradients_is_update_then_apply_updates(implementation, form):
+  """optim.apply_gradients gives what tx.update and optax.apply_updates
+  give: through AdamW's `apply` (adamw alone or clipped into) the kernel
+  adds the updates itself; a chain or multi_transform around it takes the
+  two steps."""
+  if implementation == "cpu_kernel" and cpu_build.problem() is not None:
+    pytest.skip(f"the C++ kernels cannot run: {cpu_build.problem()}")
+  tx = optim.adamw(1e-2, weight_decay=0.1, mask=optim.weight_decay_mask,
+                   implementation=implementation)
+  if form == "clipped":
+    tx = optim.clip_by_global_norm_into(tx, 1.0,
+                                        implementation=implementation)
+  elif form == "chained":
+    tx = optim.clip_by_global_norm_into(
+        optax.chain(tx, optim.scale_by_layer(1.0)), 1.0,
+        implementation=implementation)
+  elif form == "grouped":
+    tx = optax.multi_transform({"train": tx, "freeze": optax.set_to_zero()},
+                               lambda tree: {name: jax.tree.map(
+                                   lambda _: "freeze" if name == "other"
+                                   else "train", branch)
+                                             for name, branch in tree.items()})
+  params = _params(4)
+  applied = _run_applied(tx, params, 5)
+  reference = _run(tx, params, 5)
+  assert jax.tree.structure(applied) == jax.tree.structure(reference)
+  _assert_close(applied, reference)
+  hlo = jax.jit(functools.partial(optim.apply_gradients, tx)).lower(
+      params, tx.init(params), params).as_text()
+  by_kernel = implementation == "cpu_kernel"
+  assert ("VitAdamW" in hlo) == by_kernel
+  assert ("apply = true" in hlo) == (by_kernel and form in ("adamw",
+                                                            "clipped"))
 
 
 @needs_kernels

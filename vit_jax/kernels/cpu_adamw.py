@@ -56,17 +56,21 @@ def update(grads: Sequence[jax.Array], mus: Sequence[jax.Array],
            decayed: Sequence[bool], correction1: jax.Array,
            correction2: jax.Array, step_size: jax.Array,
            grad_scale: Any = 1.0, *, b1: float, b2: float, eps: float,
-           weight_decay: float, tasks: Optional[int] = None
+           weight_decay: float, apply: bool = False,
+           tasks: Optional[int] = None
            ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
-  """(updates, first moments, second moments) of AdamW for L leaves.
+  """(updates, first moments, second moments) of AdamW for L leaves; with
+  `apply`, (params + updates, first moments, second moments).
 
   grads, mus, nus, params: L float32 arrays each, leaf i's four of one
   shape; decayed: L flags (weight decay for leaf i); correction1,
   correction2: the bias corrections 1 - b1^t and 1 - b2^t; step_size: minus
   the learning rate; grad_scale: what the gradients are multiplied by
   first (clipping's factor; scalars). The moments' results alias their
-  operands (donated ones are updated in place). tasks: XLA threads to
-  spread the leaves over (default: the cores of a device).
+  operands (donated ones are updated in place), and so do the parameters'
+  with `apply`: the update is added in the same pass over memory, where
+  optax.apply_updates is a fusion per leaf reading them again. tasks: XLA
+  threads to spread the leaves over (default: the cores of a device).
   """
   leaves = len(params)
   if not (len(grads) == len(mus) == len(nus) == leaves == len(decayed)):
@@ -89,7 +93,7 @@ def update(grads: Sequence[jax.Array], mus: Sequence[jax.Array],
   attributes = dict(
       b1=np.float32(b1), one_minus_b1=np.float32(1 - b1), b2=np.float32(b2),
       one_minus_b2=np.float32(1 - b2), eps=np.float32(eps),
-      weight_decay=np.float32(weight_decay),
+      weight_decay=np.float32(weight_decay), apply=bool(apply),
       tasks=np.int64(tasks or cpu_gemm.tasks_per_device()))
   results = ([], [], [])
   for start in range(0, leaves, LEAVES_PER_CALL):
@@ -103,14 +107,18 @@ def update(grads: Sequence[jax.Array], mus: Sequence[jax.Array],
 
 def _call(scalars: jax.Array, grads, mus, nus, params, decayed: np.ndarray,
           attributes: dict) -> tuple[list, list, list]:
-  """One VitAdamW call for a few leaves: updates, mus, nus."""
+  """One VitAdamW call for a few leaves: updates (or the parameters
+  updated), mus, nus."""
   leaves = len(params)
   shapes = [jax.ShapeDtypeStruct(p.shape, jnp.float32) for p in params] * 3
   # Operands: scalars, then gradients, mus, nus, params; results: updates,
   # mus, nus, the moments written over their operands (the train step's,
-  # donated). Not the gradients: other kernels' results, which XLA then
-  # copied to let them be overwritten (~200 copies in a ViT-Ti step).
+  # donated), and the parameters too where they are the results. Not the
+  # gradients: other kernels' results, which XLA then copied to let them
+  # be overwritten (~200 copies in a ViT-Ti step).
   aliases = {1 + leaves + i: leaves + i for i in range(2 * leaves)}
+  if attributes["apply"]:
+    aliases.update({1 + 3 * leaves + i: i for i in range(leaves)})
   call = jax.ffi.ffi_call("VitAdamW", shapes, input_output_aliases=aliases)
   results = call(scalars, *grads, *mus, *nus, *params, decayed=decayed,
                  **attributes)

@@ -71,7 +71,8 @@ def _is_masked(x) -> bool:
 class AdamWUpdate:
   """`adamw`'s update function: (grads, state, params, grad_scale) ->
   (updates, state), the state optax.adamw's (ScaleByAdamState, the
-  decay's, the schedule's count)."""
+  decay's, the schedule's count); its `apply` returns the params updated
+  instead of the updates."""
   learning_rate: optax.ScalarOrSchedule
   b1: float
   b2: float
@@ -91,6 +92,16 @@ class AdamWUpdate:
         static_argnames="decayed"))
 
   def __call__(self, grads, state, params=None, grad_scale=None):
+    return self._update(grads, state, params, grad_scale, apply=False)
+
+  def apply(self, grads, state, params, grad_scale=None):
+    """(params with the updates added, state): `optim.apply_gradients`
+    takes this where it can, so that the kernel adds each update in its
+    own pass over the parameters (optax.apply_updates is another fusion
+    per leaf)."""
+    return self._update(grads, state, params, grad_scale, apply=True)
+
+  def _update(self, grads, state, params, grad_scale, apply: bool):
     if params is None:
       raise ValueError(optax.NO_PARAMS_MSG)
     adam, decay_state, rate_state = state
@@ -102,14 +113,17 @@ class AdamWUpdate:
     decayed = self._decay_flags(params, treedef)
     corrections = 1 - self.b1 ** count, 1 - self.b2 ** count
     live = [i for i, param in enumerate(flat[3]) if not _is_masked(param)]
-    if cpu_adamw.resolve_implementation(
-        self.implementation, [flat[3][i] for i in live]) == "cpu_kernel":
+    by_kernel = cpu_adamw.resolve_implementation(
+        self.implementation, [flat[3][i] for i in live]) == "cpu_kernel"
+    if by_kernel:
       leaves = self._kernel_leaves(flat, live, decayed, corrections,
-                                   step_size, grad_scale)
+                                   step_size, grad_scale, apply)
     else:
       leaves = self._xla_leaves(flat, decayed, corrections, step_size,
                                 grad_scale)
     updates, mu, nu = (treedef.unflatten(part) for part in zip(*leaves))
+    if apply and not by_kernel:
+      updates = optax.apply_updates(params, updates)
     adam = adam._replace(count=count, mu=mu, nu=nu)
     return updates, (adam, decay_state, rate_state)
 
@@ -128,15 +142,16 @@ class AdamWUpdate:
     return treedef.flatten_up_to(mask)
 
   def _kernel_leaves(self, flat, live, decayed, corrections, step_size,
-                     grad_scale) -> list:
-    """(update, mu, nu) per leaf from the C++ kernel; masked leaves keep
-    their MaskedNodes."""
+                     grad_scale, apply: bool) -> list:
+    """(update, mu, nu) per leaf from the C++ kernel, or with `apply`
+    (param + update, mu, nu); masked leaves keep their MaskedNodes."""
     leaves = [(param,) * 3 for param in flat[3]]
     results = cpu_adamw.update(
         *([part[i] for i in live] for part in flat),
         [bool(decayed[i]) and bool(self.weight_decay) for i in live],
         *corrections, step_size, 1.0 if grad_scale is None else grad_scale,
-        b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)
+        b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay,
+        apply=apply)
     for i, leaf in zip(live, zip(*results)):
       leaves[i] = leaf
     return leaves

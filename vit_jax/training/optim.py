@@ -10,6 +10,7 @@ optimizer state). AdamW is `training.adamw`'s: optax.adamw's values,
 quicker to trace, one C++ update on a CPU.
 """
 
+import dataclasses
 import functools
 import re
 from typing import Any, Callable
@@ -192,10 +193,9 @@ def clip_by_global_norm_into(inner: optax.GradientTransformation,
                              implementation: str = "auto"
                              ) -> optax.GradientTransformationExtraArgs:
   """`optax.chain(clip_by_global_norm(max_norm, sharded, implementation),
-  inner)` for an
-  `inner` that takes the clipping factor as its `grad_scale` argument
-  (`adamw`, or a chain starting with it), with that chain's state, so
-  checkpoints restore with either.
+  inner)` for an `inner` that takes the clipping factor as its
+  `grad_scale` argument (`adamw`, or a chain starting with it), with that
+  chain's state, so checkpoints restore with either.
 
   Why: clipped gradients are a new array per parameter, which XLA fuses
   into its per-parameter updates but which `kernels.cpu_adamw` would read
@@ -204,17 +204,52 @@ def clip_by_global_norm_into(inner: optax.GradientTransformation,
   in 4.6-4.7 s against 7.8-8.3 s with optax.chain).
   """
   clip = clip_by_global_norm(max_norm, sharded, implementation)
+  return optax.GradientTransformationExtraArgs(
+      lambda params: (clip.init(params), inner.init(params)),
+      _ClippedInto(inner, max_norm, sharded, implementation))
 
-  def update_fn(grads, state, params=None, **extra_args):
+
+@dataclasses.dataclass(frozen=True)
+class _ClippedInto:
+  """`clip_by_global_norm_into`'s update function, and its `apply` (for
+  `apply_gradients`) where `inner` applies its updates itself."""
+  inner: optax.GradientTransformation
+  max_norm: float
+  sharded: bool
+  implementation: str
+
+  def _scale(self, grads) -> jax.Array:
+    norm = global_norm(grads, self.sharded, self.implementation)
+    return jnp.where(norm < self.max_norm, 1.0, self.max_norm / norm)
+
+  def __call__(self, grads, state, params=None, **extra_args):
     clip_state, inner_state = state
-    norm = global_norm(grads, sharded, implementation)
-    scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
-    updates, inner_state = inner.update(grads, inner_state, params,
-                                        grad_scale=scale, **extra_args)
+    updates, inner_state = self.inner.update(
+        grads, inner_state, params, grad_scale=self._scale(grads),
+        **extra_args)
     return updates, (clip_state, inner_state)
 
-  return optax.GradientTransformationExtraArgs(
-      lambda params: (clip.init(params), inner.init(params)), update_fn)
+  def apply(self, grads, state, params, **extra_args):
+    clip_state, inner_state = state
+    params, inner_state = apply_gradients(
+        self.inner, grads, inner_state, params,
+        grad_scale=self._scale(grads), **extra_args)
+    return params, (clip_state, inner_state)
+
+
+def apply_gradients(tx: optax.GradientTransformation, grads, state, params,
+                    **extra_args) -> tuple[Any, Any]:
+  """(params updated, tx's state after): `tx.update` then
+  `optax.apply_updates`, or where tx's update function has an `apply`
+  (`adamw`'s, and clipping into it), that: AdamW's kernel then writes the
+  new params in its own pass over them, where apply_updates is another
+  fusion per parameter reading them again (1 ms of a 30 ms
+  vit_tiny_cifar step at batch 1 on a 2-core AMD EPYC)."""
+  apply = getattr(tx.update, "apply", None)
+  if apply is not None:
+    return apply(grads, state, params, **extra_args)
+  updates, state = tx.update(grads, state, params, **extra_args)
+  return optax.apply_updates(params, updates), state
 
 
 def optimizer_implementation(config: ml_collections.ConfigDict) -> str:

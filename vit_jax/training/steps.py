@@ -35,6 +35,15 @@ class TrainState(train_state.TrainState):
   rng: jax.Array
   ema_params: Any = None  # moving average of params, if enabled
 
+  def apply_gradients(self, *, grads, **kwargs) -> "TrainState":
+    """flax's (step + 1, params and opt_state updated, kwargs replaced),
+    the update applied by `optim.apply_gradients`: AdamW's kernel writes
+    the new params itself."""
+    params, opt_state = optim.apply_gradients(self.tx, grads, self.opt_state,
+                                              self.params)
+    return self.replace(step=self.step + 1, params=params,
+                        opt_state=opt_state, **kwargs)
+
 
 def create_train_state(model: nn.Module, image_shape: tuple[int, int, int],
                        optimizer: optax.GradientTransformation, seed: int,

@@ -4,7 +4,8 @@
 // VitAdamW takes scalars (4,) = (1 - b1^t, 1 - b2^t, step size, gradient
 // scale), then L gradients, L first moments, L second moments and L
 // parameters (float32, any shapes, leaf i's four of one size), and returns
-// L updates, L first moments and L second moments; for each element, in
+// L updates (with the attribute `apply`, the parameters updated: p + u),
+// L first moments and L second moments; for each element, in
 // optim.adamw's order, with g the gradient times the scale (clipping by
 // the global norm sets it):
 //   mu = (1 - b1) g + b1 mu,  nu = (1 - b2) g^2 + b2 nu,
@@ -13,7 +14,7 @@
 // 1 - b1 and 1 - b2 come rounded from double, as XLA's constants do (1.0f -
 // 0.999f is 1.3e-5 off 0.001f). Each element is read before it is written,
 // so the results may alias the operands (cpu_adamw.py aliases the
-// moments). The attribute `tasks` spreads the leaves' chunks over that
+// moments, and the parameters where it applies the updates). The attribute `tasks` spreads the leaves' chunks over that
 // many of XLA's intra-op threads.
 
 #include <algorithm>
@@ -32,6 +33,7 @@ namespace {
 struct AdamWConstants {
   float one_minus_b1, b1, one_minus_b2, b2, eps, weight_decay;
   Vec correction1, correction2, step_size, grad_scale;
+  bool apply;  // the first results are p + u, not u
 };
 
 // One leaf's elements [start, start + length): its inputs and results.
@@ -49,9 +51,12 @@ void UpdateChunk(const AdamWChunk& c, const AdamWConstants& k) {
     const Vec mu = k.one_minus_b1 * g + k.b1 * LoadPart(c.mu + i, count);
     const Vec nu =
         k.one_minus_b2 * (g * g) + k.b2 * LoadPart(c.nu + i, count);
+    const Vec p =
+        c.decayed || k.apply ? LoadPart(c.param + i, count) : Vec{};
     Vec u = (mu / k.correction1) / (Sqrt(nu / k.correction2) + k.eps);
-    if (c.decayed) u = u + k.weight_decay * LoadPart(c.param + i, count);
-    StorePart(c.update + i, k.step_size * u, count);
+    if (c.decayed) u = u + k.weight_decay * p;
+    u = k.step_size * u;
+    StorePart(c.update + i, k.apply ? p + u : u, count);
     StorePart(c.new_mu + i, mu, count);
     StorePart(c.new_nu + i, nu, count);
   }
@@ -64,7 +69,7 @@ ffi::Error AdamW(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
                  ffi::RemainingArgs args, ffi::RemainingRets rets, float b1,
                  float one_minus_b1, float b2, float one_minus_b2, float eps,
                  float weight_decay, ffi::Span<const int64_t> decayed,
-                 int64_t tasks) {
+                 bool apply, int64_t tasks) {
   const int64_t leaves = static_cast<int64_t>(decayed.size());
   if (scalars.element_count() != 4 ||
       static_cast<int64_t>(args.size()) != 4 * leaves ||
@@ -76,7 +81,7 @@ ffi::Error AdamW(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
   const float* s = scalars.typed_data();
   const AdamWConstants constants{one_minus_b1, b1, one_minus_b2, b2, eps,
                                  weight_decay, Splat(s[0]), Splat(s[1]),
-                                 Splat(s[2]), Splat(s[3])};
+                                 Splat(s[2]), Splat(s[3]), apply};
   std::vector<AdamWChunk> chunks;
   for (int64_t leaf = 0; leaf < leaves; ++leaf) {
     float* data[7];  // gradient, mu, nu, parameter; update, mu, nu
@@ -123,4 +128,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VitAdamW, AdamW,
                                   .Attr<float>("eps")
                                   .Attr<float>("weight_decay")
                                   .Attr<ffi::Span<const int64_t>>("decayed")
+                                  .Attr<bool>("apply")
                                   .Attr<int64_t>("tasks"));
