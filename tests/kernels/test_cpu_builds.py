@@ -148,14 +148,15 @@ def test_every_kernel_compiles_for_arm(compiler):
 def _value_tests_pass_with_a_build_of_their_own(
     cache: pathlib.Path, env: dict[str, str]) -> pathlib.Path:
   """Runs the attention kernel's value and gradient tests and the
-  LayerNorm, GELU and AdamW kernels' in a fresh process (a process loads
+  LayerNorm, GELU, AdamW and sum-of-squares kernels' in a fresh process (a process loads
   one build) with env, building the kernels into the empty cache; asserts
   they passed, none skipped. Returns the library built."""
   result = run_python(
       "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
       "tests/kernels/test_cpu_attention.py",
       "tests/kernels/test_cpu_layer_norm.py", "tests/kernels/test_cpu_gelu.py",
-      "tests/kernels/test_cpu_adamw.py", "-k",
+      "tests/kernels/test_cpu_adamw.py",
+      "tests/kernels/test_cpu_sum_of_squares.py", "-k",
       "float64_reference or extreme_logits or batch_split or vmap"
       " or ones_rounded",
       env={**env, "VIT_JAX_CACHE_DIR": str(cache)})
@@ -172,7 +173,7 @@ def test_the_avx2_and_sse_builds_match_the_reference_too(tmp_path, march):
   """The kernels built for AVX2 (8-float vectors) or SSE (4-float vectors),
   as on CPUs without AVX-512 (VIT_JAX_KERNEL_MARCH, which throughput.py
   --max_isa=avx2 sets), pass this file's value and gradient tests and the
-  LayerNorm, GELU and AdamW kernels' (run in a fresh process: a process
+  LayerNorm, GELU, AdamW and sum-of-squares kernels' (run in a fresh process: a process
   loads one build), from a library of their own."""
   library = _value_tests_pass_with_a_build_of_their_own(
       tmp_path, {cpu_build.MARCH_VARIABLE: march})

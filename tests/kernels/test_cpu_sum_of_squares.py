@@ -36,7 +36,7 @@ def _float64_sum(leaves) -> float:
 
 
 @pytest.mark.parametrize("tasks", [1, 2, 3])
-def test_values_match_float64(tasks):
+def test_values_match_a_float64_reference(tasks):
   leaves = _leaves(0, SHAPES)
   got = jax.jit(lambda xs: cpu_sum_of_squares.sum_of_squares(
       xs, tasks=tasks))(leaves)
