@@ -205,7 +205,7 @@ class JaxStep:
     import jax
     import jax.numpy as jnp
     from vit_jax.kernels import xla_products
-    from vit_jax.model import vit
+    from vit_jax.model import inference, vit
     from vit_jax.runtime import sharding
     from vit_jax.training import optim, steps
 
@@ -230,11 +230,12 @@ class JaxStep:
       self.state = steps.create_train_state(
           self.model, (size, size, 3), optim.adamw(1e-3, weight_decay=0.05),
           0, self.mesh)
-    else:  # no optimizer state to build
+    else:  # no optimizer state to build; the params as inference takes them
       model = self.model
-      self.params = jax.jit(lambda key: model.init(key, jnp.zeros(
-          (1, size, size, 3)))["params"], out_shardings=sharding.replicated(
-              self.mesh))(jax.random.PRNGKey(0))
+      self.params = inference.inference_params(jax.jit(
+          lambda key: model.init(key, jnp.zeros((1, size, size, 3)))[
+              "params"], out_shardings=sharding.replicated(self.mesh))(
+                  jax.random.PRNGKey(0)), self.matmul_dtype)
 
     start = time.perf_counter()
     if mode == "train":

@@ -28,7 +28,7 @@ from vit_jax.checkpoints import pretrained
 from vit_jax.data import augment, datasets
 from vit_jax.inspection import figure7 as figure7_lib
 from vit_jax.inspection import introspect, plots, reports
-from vit_jax.model import variants
+from vit_jax.model import inference, variants
 from vit_jax.runtime import sharding
 from vit_jax.training import metric_writer
 
@@ -53,10 +53,18 @@ class TrainedModel:
       return (augment.mirror_averaged(logits_fn, inputs) if self.flip_average
               else logits_fn(inputs))
     self._logits = jax.jit(logits)  # compiled once per input shape
+    self._prepared = (None, None)  # (params, their inference_params)
 
   def logits(self, images: jax.Array) -> jax.Array:
-    """uint8 images at the model's input size -> logits (B, K)."""
-    return self._logits(self.params, images)
+    """uint8 images at the model's input size -> logits (B, K), from the
+    params prepared for inference once (`inference.inference_params`: the
+    same logits)."""
+    source, prepared = self._prepared
+    if source is not self.params:
+      prepared = inference.inference_params(self.params,
+                                            self.model.matmul_dtype)
+      self._prepared = (self.params, prepared)
+    return self._logits(prepared, images)
 
   @property
   def num_prefix_tokens(self) -> int:
