@@ -61,9 +61,9 @@ def test_logits_are_the_same_bits_from_half_the_kernels(overrides):
 
 
 def test_the_model_converts_no_prepared_kernel():
-  """From prepared params the compiled forward pass has no conversion of
-  a bfloat16 kernel to float32 and back left: XLA removes the round
-  trip, which is the point."""
+  """From prepared params the compiled forward pass converts less: XLA
+  removes the output projection's and the MLP's kernels' round trips to
+  float32 and back, which is the point."""
   model = _model(num_layers=1)
   images = jnp.zeros((1, 16, 16, 3))
   params = jax.jit(model.init)(jax.random.PRNGKey(0), images)["params"]

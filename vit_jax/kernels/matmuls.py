@@ -175,9 +175,12 @@ def dot(inputs, kernel, dimension_numbers, precision,
   if (implementation == "onednn"
       and is_dense_matmul(inputs, kernel, dimension_numbers)):
     num = len(dimension_numbers[0][0])
-    kernel_2d = kernel.reshape(int(np.prod(kernel.shape[:num])), -1)
-    product = cpu_gemm.rows_times(grouped_rows(inputs, num),
-                                  kernel_2d.astype(inputs.dtype),
+    # Rounded before the reshape: a kernel stored in operand_dtype
+    # (`model.inference`) and promoted to the inputs' dtype by flax then
+    # meets its round trip's other half, which XLA removes.
+    kernel_2d = kernel.astype(operand_dtype or inputs.dtype).reshape(
+        int(np.prod(kernel.shape[:num])), -1)
+    product = cpu_gemm.rows_times(grouped_rows(inputs, num), kernel_2d,
                                   operand_dtype)
     return product.reshape(inputs.shape[:inputs.ndim - num]
                            + kernel.shape[num:])

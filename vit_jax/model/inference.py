@@ -3,12 +3,16 @@ the dtype its products read them in.
 
 With `matmul_dtype=bfloat16` the encoder's Dense products (attention's
 query, key, value and output projections, the MLP's two layers) round
-their float32 kernels to bfloat16 at every call: 72 conversions a ViT-Ti
-forward pass, 9-15% of a batch-1 inference on a 2-core AMD EPYC (Zen 4;
-docs/performance.md, *The Zen 4 a twenty-second time*). Rounded once
-beforehand, the model converts nothing (XLA drops a bfloat16 -> float32 ->
-bfloat16 round trip) and gives the same logits bit for bit, from half the
-kernels' memory.
+their float32 kernels to bfloat16 at every call, 6 conversions a block.
+Rounded once beforehand, the model gives the same logits bit for bit,
+from half the kernels' memory, and converts less: XLA drops the output
+projection's and the MLP's bfloat16 -> float32 -> bfloat16 round trips.
+(It still concatenates q, k and v in float32, converting each kernel up
+and the concatenation down, yet that ran quicker than from float32
+kernels too.) A batch-1 forward pass on a 2-core AMD EPYC (Zen 4), medians
+of 200 calls alternating in one process: ViT-Ti/16 @32 px 6.03 -> 4.95 ms,
+@224 px 13.36 -> 12.37 ms (docs/performance.md, *The Zen 4 a
+twenty-second time*).
 
 For inference only: training keeps float32 kernels, which AdamW's small
 updates need.
@@ -36,10 +40,10 @@ def is_product_kernel(path: tuple[str, ...]) -> bool:
 
 
 def inference_params(params: Any, matmul_dtype: Optional[Any]) -> Any:
-  """`params` with the encoder's Dense kernels in `matmul_dtype` (a model's
-  `matmul_dtype`: None, or float32, returns them unchanged), everything
-  else as it is. The model's logits from these are its logits from
-  `params`, bit for bit."""
+  """`params` with the kernels of `is_product_kernel` in `matmul_dtype` (a
+  model's `matmul_dtype`: None, or float32, returns them unchanged),
+  everything else as it is. The model's logits from these are its logits
+  from `params`, bit for bit."""
   if matmul_dtype is None or jnp.dtype(matmul_dtype) == jnp.float32:
     return params
   flat = traverse_util.flatten_dict(params)
