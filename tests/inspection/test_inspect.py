@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from helpers import small_config, small_vit
+from vit_jax.data import augment
 from vit_jax.inspection import introspect, reports, tools
 from vit_jax.model import variants
 from vit_jax.training import loop, metric_writer
@@ -307,3 +308,35 @@ def test_attention_figure_png(trained_run, tmp_path):
   with Image.open(path) as image:
     # One column for the image, rollout, and one per head (2).
     assert image.size[0] > image.size[1]
+
+
+def test_a_bfloat16_model_predicts_from_kernels_rounded_once():
+  """TrainedModel.logits of a model with bfloat16 products runs on its
+  params prepared once (`model.inference`): the logits of model.apply on
+  the float32 params, the prepared copy reused, and made again when the
+  params are replaced."""
+  model = small_vit(matmul_dtype=jnp.bfloat16, num_classes=3)
+  images = np.random.default_rng(0).integers(0, 256, (2, 16, 16, 3)).astype(
+      np.uint8)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16, 16, 3)))[
+      "params"]
+  params = jax.tree.map(  # a head that is not zero: logits that vary
+      lambda x: x + 0.1 * jax.random.normal(jax.random.PRNGKey(1), x.shape),
+      params)
+  mean, std = np.full(3, 127.0, np.float32), np.full(3, 64.0, np.float32)
+  trained = tools.TrainedModel(model, params, ["a", "b", "c"], (16, 16, 3),
+                               mean, std)
+
+  expected = jax.jit(lambda p: model.apply(
+      {"params": p}, augment.normalize(images, mean, std)))
+
+  np.testing.assert_array_equal(trained.logits(images), expected(params))
+  prepared = trained._prepared[1]
+  kernel = prepared["Transformer"]["encoderblock_0"]["MlpBlock_3"][
+      "Dense_0"]["kernel"]
+  assert kernel.dtype == jnp.bfloat16
+  trained.logits(images)
+  assert trained._prepared[1] is prepared  # not rounded again
+  trained.params = jax.tree.map(lambda x: -x, params)
+  np.testing.assert_array_equal(trained.logits(images),
+                                expected(trained.params))
