@@ -7,7 +7,7 @@ import pytest
 import scipy.stats
 from PIL import Image, ImageEnhance, ImageOps
 
-from vit_jax.data import augment, mixing, randaugment
+from vit_jax.data import augment, draws, mixing, randaugment
 
 OPS = randaugment.OPS
 
@@ -115,6 +115,29 @@ def test_rand_and_trivial_augment_vary_per_image_and_jit():
     assert augmented.shape == same.shape
     distinct = {augmented[i].tobytes() for i in range(16)}
     assert len(distinct) > 8  # different ops/magnitudes per image
+
+
+@pytest.mark.parametrize("num_ops", [0, 1, 3])
+def test_rand_augment_applies_num_ops_draws_in_turn(num_ops):
+  """rand_augment (a scan over its operations) is apply_ops applied
+  num_ops times in turn, each with its own row of the one draw: the same
+  values as that loop, bit for bit."""
+  images = jax.random.uniform(jax.random.PRNGKey(0), (6, 12, 12, 3)) * 255
+  key = jax.random.PRNGKey(1)
+  got = jax.jit(randaugment.rand_augment, static_argnums=2)(
+      images, key, num_ops)
+
+  def looped(images):
+    for choice, jitter, sign in draws.uniforms(key, (num_ops, 3, 6)):
+      magnitudes = jnp.clip(0.9 + 0.05 * draws.standard_normal(jitter),
+                            0.0, 1.0)
+      images = randaugment.apply_ops(
+          images, draws.integers(choice, len(randaugment.OPS)), magnitudes,
+          draws.signs(sign))
+    return images
+
+  np.testing.assert_array_equal(got, jax.jit(looped)(images))
+  assert (num_ops == 0) == bool(jnp.all(got == images))
 
 
 def test_train_preprocess_with_everything_and_eval_is_unaffected():
