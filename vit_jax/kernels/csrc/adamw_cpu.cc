@@ -14,8 +14,9 @@
 // 1 - b1 and 1 - b2 come rounded from double, as XLA's constants do (1.0f -
 // 0.999f is 1.3e-5 off 0.001f). Each element is read before it is written,
 // so the results may alias the operands (cpu_adamw.py aliases the
-// moments, and the parameters where it applies the updates). The attribute `tasks` spreads the leaves' chunks over that
-// many of XLA's intra-op threads.
+// moments, and the parameters where it applies the updates). The attribute
+// `tasks` spreads the leaves' chunks (kElementsPerTask elements each,
+// parallel_tasks.h) over that many of XLA's intra-op threads.
 
 #include <algorithm>
 #include <cstdint>
@@ -62,9 +63,6 @@ void UpdateChunk(const AdamWChunk& c, const AdamWConstants& k) {
   }
 }
 
-// Chunks of this many elements (a multiple of every kLanes) are the tasks.
-constexpr int64_t kChunk = 1 << 15;
-
 ffi::Error AdamW(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
                  ffi::RemainingArgs args, ffi::RemainingRets rets, float b1,
                  float one_minus_b1, float b2, float one_minus_b2, float eps,
@@ -102,9 +100,10 @@ ffi::Error AdamW(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
             "must be float32 arrays of one size");
       data[j] = static_cast<float*>(buffer->untyped_data());
     }
-    for (int64_t start = 0; start < size; start += kChunk)
+    for (int64_t start = 0; start < size; start += kElementsPerTask)
       chunks.push_back({data[0], data[1], data[2], data[3], data[4], data[5],
-                        data[6], start, std::min(kChunk, size - start),
+                        data[6], start,
+                        std::min(kElementsPerTask, size - start),
                         decayed[leaf] != 0});
   }
   ForEachTask(pool, static_cast<int64_t>(chunks.size()),

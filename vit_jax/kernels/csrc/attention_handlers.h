@@ -67,7 +67,7 @@ void SumBlocks(int64_t rows, int64_t columns, int64_t blocks,
   }
 }
 
-// A pair's queries [, start + length) and its keys and values with
+// A pair's queries [start, start + length) and its keys and values with
 // their bias, contiguous: q (length x D), k and v (Tk x D each), in this
 // thread's scratch (valid until its next block).
 struct BiasedPair {

@@ -46,6 +46,10 @@ void ForEachTask(xla::ffi::ThreadPool& pool, int64_t tasks, Work work,
   state->finished.wait(lock, [&] { return state->done.load() == tasks; });
 }
 
+// Elements of one array a task of the elementwise optimizer kernels takes
+// (adamw_cpu.cc, sum_of_squares_cpu.cc): a multiple of every kLanes.
+constexpr int64_t kElementsPerTask = 1 << 15;
+
 // `size` split into at most `tasks` blocks of a multiple of `align` each
 // (none if size is 0), the last taking the rest: as even as the alignment
 // allows (394 rows in 2 blocks aligned to 16: 192 and 202, where rounding

@@ -4,12 +4,13 @@
 // says why it exists).
 //
 // VitSumOfSquares takes L float32 arrays (any shapes) and returns a float32
-// scalar, the sum over every element of x^2. Each chunk of kChunk elements
-// is a task, summed in float32 vector lanes (a lane adds at most
-// kChunk / kLanes / kSums squares); the chunks' sums are added in double,
-// in the chunks' order, so the result does not depend on how many threads
-// ran or in what order they finished. The attribute `tasks` spreads the
-// chunks over that many of XLA's intra-op threads.
+// scalar, the sum over every element of x^2. Each chunk of
+// kElementsPerTask elements (parallel_tasks.h) is a task, summed in float32
+// vector lanes (a lane adds at most kElementsPerTask / kLanes / kSums
+// squares); the chunks' sums are added in double, in the chunks' order, so
+// the result does not depend on how many threads ran or in what order they
+// finished. The attribute `tasks` spreads the chunks over that many of
+// XLA's intra-op threads.
 
 #include <algorithm>
 #include <cstdint>
@@ -31,7 +32,6 @@ struct SquaresChunk {
 
 // Independent sums a chunk keeps: the adds of one do not wait on another's.
 constexpr int kSums = 4;
-constexpr int64_t kSquaresChunk = 1 << 15;
 
 double SumChunkSquares(const SquaresChunk& c) {
   Vec sums[kSums] = {};
@@ -62,9 +62,9 @@ ffi::Error SumOfSquares(ffi::ThreadPool pool, ffi::RemainingArgs args,
           "VitSumOfSquares takes float32 arrays");
     const int64_t size = buffer->element_count();
     const float* data = static_cast<const float*>(buffer->untyped_data());
-    for (int64_t start = 0; start < size; start += kSquaresChunk)
+    for (int64_t start = 0; start < size; start += kElementsPerTask)
       chunks.push_back(
-          {data, start, std::min(kSquaresChunk, size - start)});
+          {data, start, std::min(kElementsPerTask, size - start)});
   }
   std::vector<double> chunk_sums(chunks.size());
   ForEachTask(pool, static_cast<int64_t>(chunks.size()),
