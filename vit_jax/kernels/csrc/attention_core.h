@@ -62,9 +62,19 @@ void RowsOf(int64_t rows, int64_t depth, const float* a, int64_t a_row,
   for (; r + kMaxRows <= rows; r += kMaxRows)
     Tile<kMaxRows, VECTORS>(depth, a + r * a_row, a_row, a_k, b, ldb,
                             c + r * ldc, ldc);
-  for (; r < rows; ++r)  // at most kMaxRows - 1 rows left
-    Tile<1, VECTORS>(depth, a + r * a_row, a_row, a_k, b, ldb, c + r * ldc,
-                     ldc);
+  // The rows left (fewer than kMaxRows) as one tile: row by row, each
+  // multiply-add would wait on a load of its own (197 tokens leave 5).
+  static_assert(kMaxRows == 6, "a case for each remainder");
+  a += r * a_row;
+  c += r * ldc;
+  switch (rows - r) {
+    case 5: Tile<5, VECTORS>(depth, a, a_row, a_k, b, ldb, c, ldc); break;
+    case 4: Tile<4, VECTORS>(depth, a, a_row, a_k, b, ldb, c, ldc); break;
+    case 3: Tile<3, VECTORS>(depth, a, a_row, a_k, b, ldb, c, ldc); break;
+    case 2: Tile<2, VECTORS>(depth, a, a_row, a_k, b, ldb, c, ldc); break;
+    case 1: Tile<1, VECTORS>(depth, a, a_row, a_k, b, ldb, c, ldc); break;
+    default: break;
+  }
 }
 
 // C (rows x columns, columns a multiple of kPad) = A B, A(r, k) as in Tile,
@@ -74,9 +84,12 @@ void Product(int64_t rows, int64_t columns, int64_t depth, const float* a,
              int64_t ldc) {
   int64_t vectors = columns / kLanes;
   int64_t column = 0;
-  // Widest tiles first; a remainder below kMaxVectors runs once, narrower.
+  // As few tiles across as kMaxVectors allows, their widths as even as can
+  // be: 13 vectors (208 keys) as 3 + 3 + 3 + 4, not 4 + 4 + 4 + 1, whose
+  // last tile would load a broadcast for every multiply-add.
   while (vectors > 0) {
-    const int64_t width = std::min<int64_t>(vectors, kMaxVectors);
+    const int64_t tiles = (vectors + kMaxVectors - 1) / kMaxVectors;
+    const int64_t width = vectors / tiles;
     const float* bc = b + column;
     float* cc = c + column;
     switch (width) {
