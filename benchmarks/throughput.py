@@ -206,7 +206,7 @@ class JaxStep:
     import jax.numpy as jnp
     from vit_jax.kernels import xla_products
     from vit_jax.model import inference, vit
-    from vit_jax.runtime import sharding
+    from vit_jax.runtime import prng, sharding
     from vit_jax.training import optim, steps
 
     dims = MODELS[model_name].dims()
@@ -235,7 +235,7 @@ class JaxStep:
       self.params = inference.inference_params(jax.jit(
           lambda key: model.init(key, jnp.zeros((1, size, size, 3)))[
               "params"], out_shardings=sharding.replicated(self.mesh))(
-                  jax.random.PRNGKey(0)), self.matmul_dtype)
+                  prng.flat_draws(jax.random.PRNGKey(0))), self.matmul_dtype)
 
     start = time.perf_counter()
     if mode == "train":

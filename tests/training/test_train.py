@@ -418,8 +418,10 @@ def test_nan_batch_update_is_skipped_when_configured(tmp_path, capsys):
 
   def poisoned(images, key, **kwargs):
     out = real_preprocess(images, key, **kwargs)
-    # The RNG key of step 2 (0-based) is recognisable by its value.
-    return jnp.where(jnp.all(key == poisoned.key), jnp.nan, out)
+    # The RNG key of step 2 (0-based) is recognisable by its value (the
+    # step's keys are typed, runtime/prng.py: compared by their data).
+    return jnp.where(jnp.all(jax.random.key_data(key) == poisoned.key),
+                     jnp.nan, out)
 
   config = small_config(num_train_steps=6, checkpoint_every_steps=3,
                         skip_nonfinite_steps=True, log_every_steps=3)

@@ -24,6 +24,7 @@ import numpy as np
 from vit_jax.checkpoints import (npz, pretrained, state_dict_files,
                                  torch_state_dicts)
 from vit_jax.model import variants
+from vit_jax.runtime import prng
 
 _INPUT = flags.DEFINE_string("input", None, "Checkpoint to convert.")
 _OUTPUT = flags.DEFINE_string("output", None, "File to write.")
@@ -47,7 +48,8 @@ def _random_params(name: str) -> dict:
   model_config.representation_size = _REPRESENTATION_SIZE.value
   model = variants.build_model(model_config, _NUM_CLASSES.value)
   images = np.zeros((1, _IMAGE_SIZE.value, _IMAGE_SIZE.value, 3), np.float32)
-  params = jax.jit(model.init)(jax.random.PRNGKey(0), images)["params"]
+  params = jax.jit(model.init)(prng.flat_draws(jax.random.PRNGKey(0)),
+                               images)["params"]
   return jax.device_get(params)
 
 

@@ -22,7 +22,7 @@ import optax
 from flax.training import train_state
 
 from vit_jax.data import augment, datasets, mixing
-from vit_jax.runtime import sharding
+from vit_jax.runtime import prng, sharding
 from vit_jax.training import optim
 
 
@@ -60,7 +60,8 @@ def create_train_state(model: nn.Module, image_shape: tuple[int, int, int],
   def init(key):
     params_key, state_key = jax.random.split(key)
     dummy = jnp.zeros((1,) + tuple(image_shape), jnp.float32)
-    params = model.init({"params": params_key}, dummy, train=False)["params"]
+    params = model.init({"params": prng.flat_draws(params_key)}, dummy,
+                        train=False)["params"]
     return TrainState.create(apply_fn=model.apply, params=params,
                              tx=optimizer, rng=state_key,
                              ema_params=params if ema else None)
@@ -125,7 +126,7 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array, *,
       _gradients, state, preprocess=preprocess,
       label_smoothing=label_smoothing, mixup_alpha=mixup_alpha,
       cutmix_alpha=cutmix_alpha, sam_rho=sam_rho, global_norm=global_norm)
-  step_key = jax.random.fold_in(state.rng, state.step)
+  step_key = jax.random.fold_in(prng.flat_draws(state.rng), state.step)
   if accum_steps == 1:
     grads, loss, accuracy = gradients(images, labels, step_key)
   else:
