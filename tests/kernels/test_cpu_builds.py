@@ -73,7 +73,9 @@ def test_the_build_is_cached_and_failures_name_the_compiler(
   """build() compiles once into the cache and finds the library there
   after (a stand-in compiler that logs its calls and writes its -o file:
   the real compilers build from empty caches in the AVX2/SSE and Arm
-  tests); a missing or failing compiler is named, nothing cached."""
+  tests): each translation unit of the sources (one, or cpu_build.UNITS
+  where there are cores for them), then the link of their objects; a
+  missing or failing compiler is named, nothing cached."""
   cache, tools = tmp_path / "cache", tmp_path / "bin"
   tools.mkdir()
   monkeypatch.setenv("VIT_JAX_CACHE_DIR", str(cache))
@@ -81,14 +83,19 @@ def test_the_build_is_cached_and_failures_name_the_compiler(
   calls = tmp_path / "calls"
   logging_compiler = tools / "logging-c++"
   logging_compiler.write_text(
-      "#!/bin/sh\necho called >> " + str(calls) + "\n"
+      "#!/bin/sh\necho \"$@\" >> " + str(calls) + "\n"
       "while [ $# -gt 0 ]; do [ \"$1\" = -o ] && echo built > \"$2\"; "
       "shift; done\n")
   logging_compiler.chmod(0o755)
   library = cpu_build.build(logging_compiler.name)
   assert library.parent == cache and library.read_text() == "built\n"
   assert cpu_build.build(logging_compiler.name) == library  # cached
-  assert calls.read_text() == "called\n"  # compiled once
+  *compiles, link = calls.read_text().splitlines()  # compiled once
+  units = (cpu_build.UNITS if cpu_info.cpu_cores() >= len(cpu_build.UNITS)
+           else (cpu_build.SOURCES,))
+  assert len(compiles) == len(units) and all(" -c " in c for c in compiles)
+  objects = [c.split(" -o ")[1] for c in compiles]
+  assert link.startswith("-shared ") and link.split()[1:-2] == objects
   assert [path.name for path in cache.iterdir()] == [library.name]
   with pytest.raises(RuntimeError, match="no C.. compiler 'no-such-c..'"):
     cpu_build.build("no-such-c++")

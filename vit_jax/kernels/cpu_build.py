@@ -38,15 +38,20 @@ from jax.interpreters import batching, mlir
 from vit_jax.runtime import cpu_info
 
 _CSRC = pathlib.Path(__file__).parent / "csrc"
-SOURCES = tuple(_CSRC / name for name in (
-    "attention_cpu.cc", "attention_bf16_cpu.cc", "transpose_cpu.cc",
-    "gemm_cpu.cc", "layer_norm_cpu.cc", "gelu_cpu.cc", "adamw_cpu.cc",
-    "sum_of_squares_cpu.cc"))
+# The sources as two translation units, compiled at once where there are
+# two cores (else as one): the attention kernels, which share most of
+# their compile time (their handlers' templates: either alone took 6.4 s
+# on a Zen 4 core, both 6.5 s), and the rest (7.5 s). Two units took 8.5
+# s there against 13.7 s for one.
+UNITS = tuple(tuple(_CSRC / name for name in unit) for unit in (
+    ("attention_cpu.cc", "attention_bf16_cpu.cc", "transpose_cpu.cc"),
+    ("gemm_cpu.cc", "layer_norm_cpu.cc", "gelu_cpu.cc", "adamw_cpu.cc",
+     "sum_of_squares_cpu.cc")))
+SOURCES = sum(UNITS, ())
 HEADERS = tuple(_CSRC / name for name in (
     "attention_core.h", "attention_handlers.h", "bf16_tiles.h",
     "parallel_tasks.h", "vectors.h"))
-_FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC",
-          "-w")
+_FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-fPIC", "-w")
 # The instruction set the kernels are compiled for: this CPU's by default;
 # e.g. "x86-64-v3" (AVX2 + FMA) to measure what an AVX2-only CPU would run
 # (benchmarks/throughput.py --max_isa=avx2), or for a cache shared by CPUs
@@ -123,38 +128,52 @@ def build(compiler: Optional[str] = None) -> pathlib.Path:
   raise RuntimeError("\n".join(failures))
 
 
-def translation_unit() -> str:
-  """The C++ text the kernels are compiled from: one translation unit that
-  includes every source. Why one: XLA's FFI headers, most of a small
-  source's compile time, are then parsed once (the build took 20 s this
-  way against 30 s source by source on an Intel Xeon)."""
-  return "".join(f'#include "{source}"\n' for source in SOURCES)
+def translation_unit(sources: tuple[pathlib.Path, ...] = SOURCES) -> str:
+  """The C++ text of one translation unit of `sources` (default: all). Why
+  several sources a unit: XLA's FFI headers, most of a small source's
+  compile time, are then parsed once (the build took 20 s this way against
+  30 s source by source on an Intel Xeon)."""
+  return "".join(f'#include "{source}"\n' for source in sources)
 
 
 def _compile(compiler: str, flags: tuple[str, ...],
              library: pathlib.Path) -> pathlib.Path:
-  """Compiles the kernels into library; RuntimeError with the compiler's
-  message if it fails. The sources share one unnamed namespace: their
+  """Compiles the kernels into library, a translation unit of `UNITS` a
+  core at once, then links them; RuntimeError with the compiler's message
+  if it fails. The sources of a unit share one unnamed namespace: their
   internal names must differ."""
   library.parent.mkdir(parents=True, exist_ok=True)
-  # Built beside its final name and renamed into place: a concurrent
-  # process (another host of a job) never loads a half-written file.
-  handle, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
-  os.close(handle)
-  try:
-    result = subprocess.run(
-        [compiler, *flags, f"-I{jax.ffi.include_dir()}", "-x", "c++", "-",
-         "-o", partial],
-        input=translation_unit(), capture_output=True, text=True, check=False)
-    if result.returncode:
-      raise RuntimeError(f"{compiler} failed to build the CPU kernels "
-                         f"({', '.join(s.name for s in SOURCES)}):\n"
-                         f"{result.stderr[-2000:]}")
+  units = (UNITS if cpu_info.cpu_cores() >= len(UNITS) else (SOURCES,))
+  # Built in scratch beside its final name and renamed into place: a
+  # concurrent process (another host of a job) never loads a half-written
+  # file.
+  with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+    objects = [os.path.join(scratch, f"unit{i}.o") for i in range(len(units))]
+    compiles = []
+    for unit, obj in zip(units, objects):
+      text = os.path.join(scratch, f"{os.path.basename(obj)[:-2]}.cc")
+      with open(text, "w", encoding="utf-8") as f:
+        f.write(translation_unit(unit))
+      compiles.append(subprocess.Popen(
+          [compiler, *flags, f"-I{jax.ffi.include_dir()}", "-c", text, "-o",
+           obj], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errors = [process.communicate()[1] for process in compiles]  # all done
+    for unit, process, message in zip(units, compiles, errors):
+      _raise_if_failed(compiler, process.returncode, message, unit)
+    partial = os.path.join(scratch, library.name)
+    link = subprocess.run([compiler, "-shared", *objects, "-o", partial],
+                          capture_output=True, text=True, check=False)
+    _raise_if_failed(compiler, link.returncode, link.stderr, SOURCES)
     os.replace(partial, library)
-  finally:
-    if os.path.exists(partial):
-      os.remove(partial)
   return library
+
+
+def _raise_if_failed(compiler: str, returncode: int, errors: str,
+                     sources: tuple[pathlib.Path, ...]) -> None:
+  if returncode:
+    raise RuntimeError(f"{compiler} failed to build the CPU kernels "
+                       f"({', '.join(s.name for s in sources)}):\n"
+                       f"{errors[-2000:]}")
 
 
 @functools.cache
