@@ -958,3 +958,36 @@ def test_vector_width_benchmark_times_both_widths_of_the_same_kernels():
                          r'layernorm=([\d.]+) cpu="[^"]+"', lines[-1])
   assert summary, lines[-1]
   assert all(float(ratio) > 0 for ratio in summary.groups())
+
+
+@pytest.mark.skipif(cpu_build.load() is not None,
+                    reason=f"the CPU kernels cannot be built here: "
+                    f"{cpu_build.load()}")
+def test_attention_pair_benchmark_times_both_trees_at_each_token_count():
+  """benchmarks/attention_pair.py builds its C++ harness against two
+  kernel trees (here this one twice) and reports each tree at each token
+  count, the products' rates consistent with the times, and a summary
+  with the two trees' ratios."""
+  csrc = str(cpu_build.SOURCES[0].parent)
+  lines = _run("benchmarks/attention_pair.py", "--tokens=17,33",
+               "--rounds=1", f"--against={csrc}")
+  assert lines[0].startswith("Command: python benchmarks/attention_pair.py")
+  rows = [re.match(r"(\d+) tokens, (this|against) tree .*: forward "
+                   r"([\d.]+) us \((\d+) GFLOP/s\), backward ([\d.]+) us",
+                   line) for line in lines[2:-1]]
+  assert [(r.group(1), r.group(2)) for r in rows] == [
+      ("17", "this"), ("17", "against"), ("33", "this"), ("33", "against")]
+  for row in rows:
+    tokens, forward_us = int(row.group(1)), float(row.group(3))
+    # Two products, tokens x padded keys x 64 and tokens x 64 x tokens
+    # (the keys padded to a multiple of 16); the times are rounded.
+    padded = (tokens + 15) // 16 * 16
+    flops = 2 * tokens * padded * 64 + 2 * tokens * 64 * tokens
+    assert int(row.group(4)) == pytest.approx(flops / forward_us / 1e3,
+                                              rel=0.05, abs=1)
+  summary = re.fullmatch(
+      r'summary: tokens=17 forward_us=([\d.]+) backward_us=([\d.]+) '
+      r'forward_ratio=([\d.]+) backward_ratio=([\d.]+) cpu="[^"]+"',
+      lines[-1])
+  assert summary, lines[-1]
+  assert all(float(value) > 0 for value in summary.groups())

@@ -31,6 +31,9 @@ class TrainState(train_state.TrainState):
 
   The key of step s is fold_in(rng, s), so randomness depends on the step
   only and a resumed run draws exactly what an uninterrupted one would.
+  `rng` is a raw uint32[2] key (so checkpoints hold plain integers); the
+  step draws through `prng.flat_draws(rng)`, a typed key with the same
+  values, which XLA:CPU compiles faster.
   """
   rng: jax.Array
   ema_params: Any = None  # moving average of params, if enabled
