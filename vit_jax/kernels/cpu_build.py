@@ -41,8 +41,8 @@ _CSRC = pathlib.Path(__file__).parent / "csrc"
 # The sources as two translation units, compiled at once where there are
 # two cores (else as one): the attention kernels, which share most of
 # their compile time (their handlers' templates: either alone took 6.4 s
-# on a Zen 4 core, both 6.5 s), and the rest (7.5 s). Two units took 8.5
-# s there against 13.7 s for one.
+# on a Zen 4 core, both 6.5 s), and the rest (7.5 s). The build took
+# 7.6-7.8 s there as two units against 12.1-14.6 s as one.
 UNITS = tuple(tuple(_CSRC / name for name in unit) for unit in (
     ("attention_cpu.cc", "attention_bf16_cpu.cc", "transpose_cpu.cc"),
     ("gemm_cpu.cc", "layer_norm_cpu.cc", "gelu_cpu.cc", "adamw_cpu.cc",
@@ -148,15 +148,16 @@ def _compile(compiler: str, flags: tuple[str, ...],
   # concurrent process (another host of a job) never loads a half-written
   # file.
   with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-    objects = [os.path.join(scratch, f"unit{i}.o") for i in range(len(units))]
-    compiles = []
-    for unit, obj in zip(units, objects):
-      text = os.path.join(scratch, f"{os.path.basename(obj)[:-2]}.cc")
-      with open(text, "w", encoding="utf-8") as f:
+    objects, compiles = [], []
+    for i, unit in enumerate(units):
+      source = os.path.join(scratch, f"unit{i}.cc")
+      with open(source, "w", encoding="utf-8") as f:
         f.write(translation_unit(unit))
+      objects.append(os.path.join(scratch, f"unit{i}.o"))
       compiles.append(subprocess.Popen(
-          [compiler, *flags, f"-I{jax.ffi.include_dir()}", "-c", text, "-o",
-           obj], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+          [compiler, *flags, f"-I{jax.ffi.include_dir()}", "-c", source,
+           "-o", objects[-1]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+          text=True))
     errors = [process.communicate()[1] for process in compiles]  # all done
     for unit, process, message in zip(units, compiles, errors):
       _raise_if_failed(compiler, process.returncode, message, unit)
