@@ -38,7 +38,7 @@ HARNESS = pathlib.Path(__file__).with_name("attention_pair_timing.cc")
 
 def build(sources: pathlib.Path, program: pathlib.Path) -> None:
   """The harness against the kernel sources in `sources`."""
-  flags = [flag for flag in cpu_build._FLAGS]  # pylint: disable=protected-access
+  flags = cpu_build._FLAGS  # pylint: disable=protected-access
   subprocess.run(
       [os.environ.get("CXX", "c++"), *flags, *cpu_build.target_flags()[0],
        f"-I{jax.ffi.include_dir()}", f"-I{sources}", str(HARNESS), "-o",
