@@ -30,7 +30,7 @@ import tempfile
 
 import jax
 
-import throughput  # this folder's: the CPU's model and ISA flags
+import race_report  # this folder's: the CPU's model and ISA flags
 from vit_jax.kernels import cpu_build
 
 HARNESS = pathlib.Path(__file__).with_name("attention_pair_timing.cc")
@@ -70,7 +70,7 @@ def main() -> None:
   trees = {"this": cpu_build.SOURCES[0].parent}
   if args.against:
     trees["against"] = args.against
-  model, isa = throughput.cpu_description()
+  model, isa = race_report.cpu_description()
   print(f"Command: python benchmarks/attention_pair.py {' '.join(sys.argv[1:])}")
   print(f"CPU: {model}, one core; {' '.join(isa)}")
   with tempfile.TemporaryDirectory() as scratch:

@@ -48,7 +48,8 @@ import time
 from typing import NamedTuple
 
 import hlo_kinds
-import throughput
+import race_report
+import race_workers
 
 WAITING = "waiting, no matmul outstanding"
 # No dot runs slower than this (a hundredth of one core's float32 rate):
@@ -250,7 +251,7 @@ def summary_line(profile: Profile, times: StepTimes, cpu: str) -> str:
           f' cpu="{cpu}"')
 
 
-def profiled_steps(step: "throughput.JaxStep", steps: int, trace_dir: str
+def profiled_steps(step: "race_workers.JaxStep", steps: int, trace_dir: str
                    ) -> tuple[StepTimes, str]:
   """Runs `steps` steps under jax.profiler; their times and the trace."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -270,9 +271,9 @@ def profiled_steps(step: "throughput.JaxStep", steps: int, trace_dir: str
 
 def worker(args) -> None:
   """Compiles the step, profiles `args.steps` of it, prints the table."""
-  step = throughput.JaxStep(args.model, args.mode, args.image_size,
+  step = race_workers.JaxStep(args.model, args.mode, args.image_size,
                             args.patch_size, args.batch, args.num_layers)
-  unprofiled_s = throughput.time_steps(step, args.steps)
+  unprofiled_s = race_workers.time_steps(step, args.steps)
   with tempfile.TemporaryDirectory() as scratch:
     times, trace_path = profiled_steps(step, args.steps,
                                        args.trace_dir or scratch)
@@ -281,7 +282,7 @@ def worker(args) -> None:
       with open(os.path.join(args.trace_dir, "step.hlo.txt"), "w") as f:
         f.write(hlo_text)
     profile = profile_by_kind(hlo_text, trace_path, times.wall_s)
-  model, flags = throughput.cpu_description()
+  model, flags = race_report.cpu_description()
   print(f"CPU: {model}, {times.cores} of {os.cpu_count()} cores; "
         f"{', '.join(flags)}")
   print(f"{args.model} {args.mode}: {step.image_size} px, patch "
@@ -299,7 +300,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--model", default="ViT-Ti/16@224",
-                      choices=tuple(throughput.MODELS))
+                      choices=tuple(race_workers.MODELS))
   parser.add_argument("--mode", default="train", choices=("train", "infer"))
   parser.add_argument("--steps", type=int, default=4)
   parser.add_argument("--image_size", type=int)
@@ -323,12 +324,12 @@ def main():
     from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
     host.default_xla_flags()
     host.split_cpu_into_devices(args.cpu_devices, (
-        throughput.worker_batch(args.model, args.mode, args.batch),))
+        race_workers.worker_batch(args.model, args.mode, args.batch),))
     worker(args)
     sys.stdout.flush()
     os._exit(0)  # skips tearing down JAX
   print("python " + " ".join(sys.argv), flush=True)
-  env = throughput.worker_environment(args.fast_malloc, args.max_isa,
+  env = race_workers.worker_environment(args.fast_malloc, args.max_isa,
                                       args.matmul_dtype)
   done = subprocess.run([sys.executable, __file__, "--worker", *sys.argv[1:]],
                         env=env, check=False)

@@ -78,7 +78,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import throughput  # this folder's: the worker's model, dims and batch
+import race_workers  # this folder's: the worker's model, dims and batch
 from vit_jax.kernels import attention, cpu_attention, gelu_matmul, xla_products
 from vit_jax.model import vit
 from vit_jax.runtime import host, sharding
@@ -214,7 +214,7 @@ def free_part(part: str):
 
 
 _MODEL = flags.DEFINE_enum("model", "ViT-Ti/16@224",
-                           list(throughput.MODELS),
+                           list(race_workers.MODELS),
                            "Workload, as in benchmarks/throughput.py.")
 _A = flags.DEFINE_string("a", "{}", "Variant A's model fields (JSON).")
 _B = flags.DEFINE_string("b", "{}", "Variant B's model fields (JSON).")
@@ -268,12 +268,12 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
     fields = dict({"matmul_implementation": "xla"}, **fields)
   if free == "layer_norm":  # replaces Flax's LayerNorm, not the C++ kernel
     fields = dict({"layer_norm_implementation": "xla"}, **fields)
-  model = vit.VisionTransformer(num_classes=throughput.NUM_CLASSES,
+  model = vit.VisionTransformer(num_classes=race_workers.NUM_CLASSES,
                                 **dict(dims, **fields))
   state = steps.create_train_state(model, (size, size, 3), optim.adamw(
       1e-3, weight_decay=0.05), 0, mesh)
   # bfloat16 products take YNNPACK for their dots, as in the trainer.
-  step = throughput.jit_train_step(dict(
+  step = race_workers.jit_train_step(dict(
       xla_products.xla_compiler_options(fields.get("matmul_dtype")) or {},
       **xla_options) or None)
   start = time.perf_counter()
@@ -290,7 +290,7 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
 
 def main(argv):
   del argv
-  raced = throughput.MODELS[_MODEL.value]
+  raced = race_workers.MODELS[_MODEL.value]
   size, batch = raced.image_size, raced.train_batch
   # Before JAX starts its backend (importing it does not).
   host.split_cpu_into_devices(_CPU_DEVICES.value, (batch,))
@@ -298,7 +298,7 @@ def main(argv):
   rng = np.random.default_rng(0)
   images, labels = jax.device_put(
       (rng.integers(0, 256, (batch, size, size, 3), np.uint8),
-       rng.integers(0, throughput.NUM_CLASSES, batch).astype(np.int32)),
+       rng.integers(0, race_workers.NUM_CLASSES, batch).astype(np.int32)),
       sharding.batch_sharded(mesh))
   variants = {}
   settings = {name: (fields.value, _SOFTMAX[name].value,

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import throughput  # this folder's: the CPU's model and ISA flags
+import race_report  # this folder's: the CPU's model and ISA flags
 from vit_jax.runtime import cpu_info
 
 _ROWS = flags.DEFINE_integer("rows", 3152, "Tokens (rows) of each matrix: "
@@ -82,7 +82,7 @@ def main(argv):
       "layernorm": (layer_norm_forward_backward, (
           normal(rows, 192), normal(192), normal(192), normal(rows, 192))),
   }
-  model, isa = throughput.cpu_description()
+  model, isa = race_report.cpu_description()
   print(f"Command: python benchmarks/vector_width.py {' '.join(sys.argv[1:])}")
   print(f"CPU: {model} ({cpu_info.cpu_features()[0] or 'vendor unknown'}), "
         f"{cpu_info.cpu_cores()} core(s) for this process; {' '.join(isa)}")

@@ -358,7 +358,7 @@ def test_dense_products_are_a_dense_layers_forward_and_gradients(
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   torch = pytest.importorskip("torch", reason="needs the [torch] extra")
-  throughput = _benchmark_module("throughput")
+  dense_products = _benchmark_module("dense_products")
   rows, k, n = 12, 5, 7
   rng = np.random.default_rng(0)
   x, w, dy = (rng.normal(size=shape).astype(np.float32)
@@ -373,12 +373,13 @@ def test_dense_products_are_a_dense_layers_forward_and_gradients(
          "torch": lambda a: torch.from_numpy(a).to(
              getattr(torch, operand_dtype or "float32"))}
   result_dtypes = {"jax": "float32", "torch": operand_dtype or "float32"}
-  for product in throughput.DENSE_PRODUCTS:
-    lhs, rhs, result = throughput.dense_product_operands(product, rows, k, n)
+  for product in dense_products.DENSE_PRODUCTS:
+    lhs, rhs, result = dense_products.dense_product_operands(product, rows,
+                                                             k, n)
     assert (lhs, rhs) == tuple(a.shape for a in operands[product])
     assert result == expected[product].shape
     for library in ("jax", "torch"):
-      got = throughput.dense_product_fn(library, product, operand_dtype)(
+      got = dense_products.dense_product_fn(library, product, operand_dtype)(
           *map(put[library], operands[product]))
       assert str(got.dtype).endswith(result_dtypes[library]), library
       got = np.asarray(got.float() if library == "torch" else got)
@@ -393,38 +394,38 @@ def test_dense_product_rates_weigh_each_width_by_its_flops():
   FLOPs: the product's rate is total FLOPs over total time, 1.5e9 x (1 +
   3) / (1.5e9 / 100 + 4.5e9 / 300) = 200; shapes of another width are
   not counted."""
-  throughput = _benchmark_module("throughput")
+  dense_products = _benchmark_module("dense_products")
   rates = {"x.W 1000x500x1500": 100.0, "x.W 3000x1500x500": 300.0,
            "x.W 1000x192x768": 1.0,  # another width
            "2048x2048x2048": 1.0}  # not a Dense product: not counted
   for product in ("dy.W^T", "x^T.dy"):
     rates.update({f"{product} 10x500x500": 50.0,
                   f"{product} 10x192x768": 7.0})
-  result = throughput.dense_product_rates(rates, 500)
+  result = dense_products.dense_product_rates(rates, 500)
   assert result["x.W"] == pytest.approx(200.0)
   assert result["dy.W^T"] == pytest.approx(50.0)
-  assert throughput.dense_product_rates(rates, 192) == pytest.approx(
+  assert dense_products.dense_product_rates(rates, 192) == pytest.approx(
       {"x.W": 1.0, "dy.W^T": 7.0, "x^T.dy": 7.0})
 
 
 def test_dense_product_lines_give_each_raced_width_its_line():
   """One line per width of the raced models, naming them, each product's
   jax / torch rate and ratio; with bfloat16 operands the line says so."""
-  throughput = _benchmark_module("throughput")
-  assert throughput.dense_shapes(768, 3072) == (
+  dense_products = _benchmark_module("dense_products")
+  assert dense_products.dense_shapes(768, 3072) == (
       (768, 2304), (768, 768), (768, 3072), (3072, 768))
   models = ("vit_tiny_cifar", "ViT-Ti/16@224", "ViT-B/16@224")
-  assert throughput.raced_widths(models) == {
+  assert dense_products.raced_widths(models) == {
       (192, 768): ["vit_tiny_cifar", "ViT-Ti/16@224"],
       (768, 3072): ["ViT-B/16@224"]}
   per_core = {}
   for library, rate in (("jax", 200.0), ("torch", 160.0)):
     per_core[library] = {
-        f"{product} {throughput.DENSE_ROWS}x{k}x{n}": rate * (hidden / 768)
+        f"{product} {dense_products.DENSE_ROWS}x{k}x{n}": rate * (hidden / 768)
         for hidden, mlp in ((192, 768), (768, 3072))
-        for k, n in throughput.dense_shapes(hidden, mlp)
-        for product in throughput.DENSE_PRODUCTS}
-  lines = throughput.dense_product_lines(per_core, models, "float32")
+        for k, n in dense_products.dense_shapes(hidden, mlp)
+        for product in dense_products.DENSE_PRODUCTS}
+  lines = dense_products.dense_product_lines(per_core, models, "float32")
   assert len(lines) == 2
   assert lines[0].startswith(
       "A Dense layer's products at width 192 (vit_tiny_cifar, "
@@ -434,7 +435,7 @@ def test_dense_product_lines_give_each_raced_width_its_line():
   assert "width 768 (ViT-B/16@224)" in lines[1]
   assert "x.W 200 / 160 (1.25)" in lines[1]
   assert "bfloat16" not in lines[0]
-  bf16_lines = throughput.dense_product_lines(per_core, models, "bfloat16")
+  bf16_lines = dense_products.dense_product_lines(per_core, models, "bfloat16")
   assert all("bfloat16 operands" in line for line in bf16_lines)
 
 
@@ -443,17 +444,18 @@ def test_per_core_products_run_xla_and_torch_on_one_thread():
   (a device per core): the per-core worker's XLA_FLAGS keep the caller's
   flags and add single-threaded Eigen, and the worker measures exactly the
   Dense products, not the whole-CPU GEMMs."""
-  throughput = _benchmark_module("throughput")
-  env = throughput.per_core_environment({"XLA_FLAGS": "--xla_foo=1", "A": "b"})
+  dense_products = _benchmark_module("dense_products")
+  env = dense_products.per_core_environment({"XLA_FLAGS": "--xla_foo=1",
+                                             "A": "b"})
   assert env == {"A": "b", "XLA_FLAGS":
                  "--xla_foo=1 --xla_cpu_multi_thread_eigen=false"}
   measured = json.loads(_run(
       "benchmarks/throughput.py", "--worker", "--impl=gemm1-jax",
-      env=throughput.per_core_environment({}), timeout=300)[-1])
+      env=dense_products.per_core_environment({}), timeout=300)[-1])
   assert sorted(measured) == sorted(
-      f"{product} {throughput.DENSE_ROWS}x{k}x{n}"
-      for k, n in throughput.dense_shapes(192, 768)  # the default race's
-      for product in throughput.DENSE_PRODUCTS)
+      f"{product} {dense_products.DENSE_ROWS}x{k}x{n}"
+      for k, n in dense_products.dense_shapes(192, 768)  # the default race's
+      for product in dense_products.DENSE_PRODUCTS)
   assert all(rate > 0 for rate in measured.values())
 
 
@@ -536,7 +538,7 @@ def test_gpu_profile_sums_kernels_of_gpu_streams_by_class(tmp_path):
 def test_throughput_benchmark_names_the_cpu_and_its_isa():
   """The CPU model and ISA flags the benchmark prints (and puts in its
   summary line) are /proc/cpuinfo's."""
-  model, isa = _benchmark_module("throughput").cpu_description()
+  model, isa = _benchmark_module("race_report").cpu_description()
   with open("/proc/cpuinfo") as f:
     cpuinfo = f.read()
   assert model and model in cpuinfo
@@ -551,7 +553,7 @@ def test_throughput_summary_takes_the_worst_workload_against_fastest_torch():
   PyTorch variant's mean, the summary the worst model's, the GEMM fraction
   the worst training GFLOP/s over the rate, compile the slowest round;
   eager PyTorch, which compiles nothing, shows "-" for it."""
-  throughput = _benchmark_module("throughput")
+  race_report = _benchmark_module("race_report")
   worker = lambda rate, **extra: {"images_per_s": rate, "compile_s": 1.0,
                                   "peak_rss_mib": 100.0, **extra}
   eager = lambda rate: {"images_per_s": rate, "peak_rss_mib": 100.0}
@@ -570,8 +572,13 @@ def test_throughput_summary_takes_the_worst_workload_against_fastest_torch():
     results[model, mode, "torchvision"] = [eager(timm * 0.5)]
     results[model, mode, "torchvision+compile"] = [worker(tv_compile),
                                                    worker(tv_compile)]
-  race = throughput.Race(results, {}, {}, [])
-  rows = throughput.results_table(race, gemm_rate=200.0)
+  race = race_report.Race(
+      results, {"torch": {"2048x2048x2048": 200.0,
+                          "bf16 2048x2048x2048": 400.0}}, {}, [])
+  # "% GEMM" is of PyTorch's rate in the race's operand dtype.
+  assert race.gemm_rate("float32") == 200.0
+  assert race.gemm_rate("bfloat16") == 400.0
+  rows = race_report.results_table(race, gemm_rate=200.0)
   assert len(rows) == 2 + 4 * 5
   cifar_train = next(row for row in rows
                      if row.startswith("| vit_tiny_cifar train | vit_jax"))
@@ -583,7 +590,7 @@ def test_throughput_summary_takes_the_worst_workload_against_fastest_torch():
   assert compile_cells == {"vit_jax (2 rounds)": "2.8", "timm": "-",
                            "timm+compile": "1.0", "torchvision": "-",
                            "torchvision+compile (2 rounds)": "1.0"}
-  summary = throughput.summary_line(race, 200.0, "Some CPU")
+  summary = race_report.summary_line(race, 200.0, "Some CPU")
   # train: min(100/80, 30/25); infer: min(300/250, 90/100); the GEMM
   # fraction: min(100 * 1, 30 * 4) GFLOP/s over 200.
   assert summary == ('summary: train_vs_timm=1.20 infer_vs_timm=0.90 '
@@ -595,23 +602,31 @@ def test_throughput_summary_takes_the_worst_workload_against_fastest_torch():
 
 def test_throughput_command_line_reruns_the_race():
   """The printed command is the one that reruns it, options included."""
+  race_report = _benchmark_module("race_report")
   throughput = _benchmark_module("throughput")
-  assert (throughput.command_line(throughput.parse_args([]))
+  assert (race_report.command_line(throughput.parse_args([]))
           == "python benchmarks/throughput.py")
   argv = ["--no-fast_malloc", "--cpu_devices=0", "--steps=3", "--batch=1",
           "--max_isa=avx2", "--matmul_dtype=bfloat16", "--growth"]
-  assert (throughput.command_line(throughput.parse_args(argv))
+  assert (race_report.command_line(throughput.parse_args(argv))
           == "python benchmarks/throughput.py " + " ".join(argv))
+  # The summary's cpu="…" says what the race changed from the default one.
+  assert race_report.summary_cpu(throughput.parse_args([]), "CPU") == "CPU"
+  assert race_report.summary_cpu(throughput.parse_args(argv), "CPU") == (
+      "CPU capped at AVX2, bfloat16 products vs torch autocast, batch 1")
+  assert race_report.summary_cpu(throughput.parse_args(
+      ["--models=ViT-B/16@224"]), "CPU") == "CPU, models ViT-B/16@224"
 
 
 def test_throughput_batch_option_reaches_every_worker():
   """--batch goes to the workers of both libraries (the model's batches
   without it), and each worker reports the batch it timed: a timm worker
   and a vit_jax worker at batch 1 (vit_jax then on one device)."""
+  race_workers = _benchmark_module("race_workers")
   throughput = _benchmark_module("throughput")
   default = throughput.parse_args([])
   single = throughput.parse_args(["--batch=1"])
-  for impl in ("vit_jax",) + throughput.TORCH_IMPLS:
+  for impl in ("vit_jax",) + race_workers.TORCH_IMPLS:
     assert not any(arg.startswith("--batch") for arg in
                    throughput.worker_args(default, impl, "vit_tiny_cifar",
                                           "infer"))
@@ -633,35 +648,37 @@ def test_throughput_races_the_models_asked_for(capsys):
   command line names them; an unknown name is refused with the choices;
   a race's table and summary cover the models it ran, with the paper's
   Table 1 dims for ViT-B/16."""
+  race_report = _benchmark_module("race_report")
+  race_workers = _benchmark_module("race_workers")
   throughput = _benchmark_module("throughput")
   assert throughput.parse_args([]).models == ("vit_tiny_cifar",
                                               "ViT-Ti/16@224")
   argv = ["--models=ViT-S/16@224,ViT-B/16@224"]
   args = throughput.parse_args(argv)
   assert args.models == ("ViT-S/16@224", "ViT-B/16@224")
-  assert (throughput.command_line(args)
+  assert (race_report.command_line(args)
           == "python benchmarks/throughput.py " + argv[0])
   with pytest.raises(SystemExit):
     throughput.parse_args(["--models=ViT-B/16@224,ViT-X/3"])
   assert "unknown model(s) ViT-X/3; choose from" in capsys.readouterr().err
-  base = throughput.MODELS["ViT-B/16@224"]
+  base = race_workers.MODELS["ViT-B/16@224"]
   assert (base.image_size, base.train_batch, base.infer_batch) == (224, 32,
                                                                    64)
   assert base.dims() == dict(patch_size=16, hidden_size=768, num_layers=12,
                              num_heads=12, mlp_dim=3072)
-  for model in throughput.MODELS.values():  # vit_jax's table, every one
+  for model in race_workers.MODELS.values():  # vit_jax's table, every one
     assert model.dims() == variants.VARIANTS[model.variant], model
   worker = lambda rate: {"images_per_s": rate, "compile_s": 9.0,
                          "peak_rss_mib": 1.0, "flops_per_image": 1e11}
   results = {}
   for mode, jax_rate in (("train", 2.0), ("infer", 6.0)):
-    for impl in ("vit_jax",) + throughput.TORCH_IMPLS:
+    for impl in ("vit_jax",) + race_workers.TORCH_IMPLS:
       results["ViT-B/16@224", mode, impl] = [
           worker(jax_rate if impl == "vit_jax" else 1.6)]
-  race = throughput.Race(results, {}, {}, [])
+  race = race_report.Race(results, {}, {}, [])
   assert race.models == ["ViT-B/16@224"]
-  assert len(throughput.results_table(race, 200.0)) == 2 + 2 * 5
-  assert throughput.summary_line(race, 200.0, "CPU, models ViT-B/16@224") == (
+  assert len(race_report.results_table(race, 200.0)) == 2 + 2 * 5
+  assert race_report.summary_line(race, 200.0, "CPU, models ViT-B/16@224") == (
       'summary: train_vs_timm=1.25 infer_vs_timm=3.75 '
       'train_gemm_fraction=1.00 compile_s=9.0 '
       'cpu="CPU, models ViT-B/16@224"')
