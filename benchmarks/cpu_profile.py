@@ -272,7 +272,7 @@ def profiled_steps(step: "race_workers.JaxStep", steps: int, trace_dir: str
 def worker(args) -> None:
   """Compiles the step, profiles `args.steps` of it, prints the table."""
   step = race_workers.JaxStep(args.model, args.mode, args.image_size,
-                            args.patch_size, args.batch, args.num_layers)
+                              args.patch_size, args.batch, args.num_layers)
   unprofiled_s = race_workers.time_steps(step, args.steps)
   with tempfile.TemporaryDirectory() as scratch:
     times, trace_path = profiled_steps(step, args.steps,
@@ -330,7 +330,7 @@ def main():
     os._exit(0)  # skips tearing down JAX
   print("python " + " ".join(sys.argv), flush=True)
   env = race_workers.worker_environment(args.fast_malloc, args.max_isa,
-                                      args.matmul_dtype)
+                                        args.matmul_dtype)
   done = subprocess.run([sys.executable, __file__, "--worker", *sys.argv[1:]],
                         env=env, check=False)
   sys.exit(done.returncode)

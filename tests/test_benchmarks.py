@@ -28,7 +28,7 @@ def _run(*args: str, env: dict[str, str] | None = None,
 def _benchmark_module(name: str):
   """benchmarks/<name>.py, imported as the scripts import each other (the
   folder on sys.path while it loads: gpu_throughput imports gpu_profile,
-  step_ab throughput); once per process, as step_ab defines absl flags."""
+  step_ab race_workers); once per process, as step_ab defines absl flags."""
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
   try:
     return importlib.import_module(name)
