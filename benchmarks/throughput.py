@@ -70,6 +70,7 @@ kept in ~/.cache/vit_jax/torchinductor unless TORCHINDUCTOR_CACHE_DIR is set.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -240,10 +241,24 @@ def growth_lines(env: dict) -> list[str]:
   return lines
 
 
+# What the PyTorch side of the race imports: the `bench` extra.
+RACED_PACKAGES = ("torch", "torchvision", "timm")
+
+
+def missing_packages(find_spec=importlib.util.find_spec) -> list[str]:
+  """The packages of RACED_PACKAGES that this Python cannot import."""
+  return [name for name in RACED_PACKAGES if find_spec(name) is None]
+
+
 def main():
   args = parse_args()
   if args.worker:
     run_worker(args)
+  missing = missing_packages()
+  if missing:  # before minutes of GEMM workers, not in the first torch one
+    sys.exit(f"benchmarks/throughput.py races PyTorch's ViTs, and "
+             f"{', '.join(missing)} cannot be imported here: pip install -e "
+             f"'.[bench]' (from the repository's root)")
   from vit_jax.runtime import cpu_info  # pylint: disable=g-import-not-at-top
   env = race_workers.worker_environment(args.fast_malloc, args.max_isa,
                                         args.matmul_dtype)

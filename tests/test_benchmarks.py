@@ -618,6 +618,26 @@ def test_throughput_command_line_reruns_the_race():
       ["--models=ViT-B/16@224"]), "CPU") == "CPU, models ViT-B/16@224"
 
 
+def test_throughput_names_the_missing_pytorch_packages_and_their_extra():
+  """Without torch, torchvision or timm the race stops before its first
+  worker, naming what is missing and the extra that installs it."""
+  throughput = _benchmark_module("throughput")
+  assert throughput.missing_packages(
+      lambda name: None if name in ("timm", "torch") else object()) == [
+          "torch", "timm"]
+  assert throughput.missing_packages(lambda name: object()) == []
+  # The script itself, with the three blocked from importing.
+  result = run_python(
+      "-c", "import runpy, sys\n"
+      "for name in ('torch', 'torchvision', 'timm'): sys.modules[name] = None\n"
+      "sys.argv = ['throughput.py']; sys.path.insert(0, 'benchmarks')\n"
+      "runpy.run_path('benchmarks/throughput.py', run_name='__main__')",
+      timeout=120)
+  assert result.returncode == 1, result.stderr[-2000:]
+  assert ("torch, torchvision, timm cannot be imported here: pip install -e "
+          "'.[bench]'") in result.stderr
+
+
 def test_throughput_batch_option_reaches_every_worker():
   """--batch goes to the workers of both libraries (the model's batches
   without it), and each worker reports the batch it timed: a timm worker
