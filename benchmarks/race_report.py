@@ -63,8 +63,10 @@ class Race:
                for impl in race_workers.TORCH_IMPLS)
 
 
-def command_line(args: argparse.Namespace) -> str:
-  """The command that reruns this race."""
+def command_line(args: argparse.Namespace, environ=None) -> str:
+  """The command that reruns this race; with `environ` (the user's
+  environment), an LD_PRELOAD set there goes before it, as it reaches every
+  worker (e.g. a shim that changes what PyTorch's MKL runs)."""
   options = [
       "" if args.fast_malloc else " --no-fast_malloc",
       "" if args.cpu_devices == -1 else f" --cpu_devices={args.cpu_devices}",
@@ -75,11 +77,14 @@ def command_line(args: argparse.Namespace) -> str:
       "" if args.models == race_workers.DEFAULT_MODELS
       else f" --models={','.join(args.models)}",
       " --growth" if args.growth else ""]
-  return "python benchmarks/throughput.py" + "".join(options)
+  preload = (environ or {}).get("LD_PRELOAD")
+  prefix = f"LD_PRELOAD='{preload}' " if preload else ""
+  return prefix + "python benchmarks/throughput.py" + "".join(options)
 
 
 def setting_lines(args: argparse.Namespace, env: dict, race: Race,
-                  cpu_model: str, isa: list[str], cores: int) -> list[str]:
+                  cpu_model: str, isa: list[str], cores: int,
+                  cpu_vendor: str = "") -> list[str]:
   """What the race ran on and with: the CPU, the GEMM rates, the flags."""
   gemm = race.gemm
   # The cores this process may use: `taskset -c 0,1` races two cores of a
@@ -102,6 +107,7 @@ def setting_lines(args: argparse.Namespace, env: dict, race: Race,
       f"{gemm['torch']['8320x192x768']:.0f}, jax "
       f"{gemm['jax']['2048x2048x2048']:.0f} | "
       f"{gemm['jax']['8320x192x768']:.0f}")
+  lines += torch_gemm_lines(gemm, cpu_vendor, args.matmul_dtype)
   lines += dense_products.dense_product_lines(race.per_core, race.models,
                                               args.matmul_dtype)
   first_jax = race.results[race.models[0], "train", "vit_jax"][0]
@@ -113,6 +119,33 @@ def setting_lines(args: argparse.Namespace, env: dict, race: Race,
   lines.append(f"load average (1/5/15 min) at start / after round 1 / end: "
                f"{' ; '.join(race.loads)}")
   return lines
+
+
+# Below this fraction of jax's GEMM rate, PyTorch's products are said to
+# hold its side of the race back.
+_SLOW_TORCH_GEMM = 0.75
+
+
+def torch_gemm_lines(gemm: dict, cpu_vendor: str,
+                     matmul_dtype: str) -> list[str]:
+  """A line when a float32 race's PyTorch GEMM (2048^3) runs well below
+  jax's: the ratios then say as much about the two GEMM libraries as about
+  the models. On an AMD CPU, say why (measured on a Zen 5:
+  docs/performance.md, *A Zen 5*)."""
+  if matmul_dtype != "float32":  # bfloat16 products: oneDNN's on both sides
+    return []
+  fraction = (gemm["torch"]["2048x2048x2048"]
+              / gemm["jax"]["2048x2048x2048"])
+  if fraction >= _SLOW_TORCH_GEMM:
+    return []
+  line = (f"PyTorch's float32 GEMM runs at {fraction:.2f} of jax's here, "
+          f"so the ratios below are largely the GEMM libraries'.")
+  if cpu_vendor == "AuthenticAMD":
+    line += (" PyTorch's x86 wheels do float32 products in Intel's MKL, "
+             "which picks its kernels by the CPU's vendor: on an AMD CPU its "
+             "AVX2 ones, whatever the CPU has (docs/performance.md, *A Zen "
+             "5*, races a PyTorch whose MKL takes its AVX-512 kernels).")
+  return [line]
 
 
 def _compile_cell(runs: list[dict]) -> str:

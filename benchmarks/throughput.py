@@ -64,6 +64,11 @@ vit_jax with config.model.matmul_dtype=bfloat16 (the encoder's products
 read bfloat16 operands and accumulate float32) against PyTorch under
 torch.autocast("cpu", torch.bfloat16); "% GEMM" is then of PyTorch's
 bfloat16 GEMM rate, and the summary's cpu="…" says so.
+On an AMD CPU, PyTorch's float32 products run in Intel's MKL, which takes
+its AVX2 kernels there whatever the CPU has; the race then says so under
+its GEMM rates, and docs/performance.md (*A Zen 5*) gives the LD_PRELOAD
+that lets it take its AVX-512 ones, to race that PyTorch too (the printed
+command keeps a user's LD_PRELOAD).
 torch.compile's first run on a machine compiles cold (up to a minute per
 workload; first runs took 12-17 minutes here); later runs load its cache,
 kept in ~/.cache/vit_jax/torchinductor unless TORCHINDUCTOR_CACHE_DIR is set.
@@ -265,9 +270,10 @@ def main():
   started = time.perf_counter()
   race = run_race(args, env)
   cpu_model, isa = race_report.cpu_description()
-  print(f"\nCommand: {race_report.command_line(args)}")
+  print(f"\nCommand: {race_report.command_line(args, os.environ)}")
   print("\n".join(race_report.setting_lines(
-      args, env, race, cpu_model, isa, cpu_info.cpu_cores())) + "\n")
+      args, env, race, cpu_model, isa, cpu_info.cpu_cores(),
+      cpu_info.cpu_features()[0])) + "\n")
   gemm_rate = race.gemm_rate(args.matmul_dtype)
   print("\n".join(race_report.results_table(race, gemm_rate)))
   if args.growth:

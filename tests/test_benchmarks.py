@@ -600,6 +600,26 @@ def test_throughput_summary_takes_the_worst_workload_against_fastest_torch():
                       r'compile_s=\d+\.\d cpu="[^"]+"', summary)
 
 
+def test_throughput_says_when_pytorchs_gemm_holds_its_side_back():
+  """A float32 race whose PyTorch GEMM runs below 3/4 of jax's says so,
+  with its fraction, and on an AMD CPU why (MKL's AVX2 kernels); a race
+  with the two rates close, or with bfloat16 products, says nothing."""
+  race_report = _benchmark_module("race_report")
+  rates = lambda torch, jax: {"torch": {"2048x2048x2048": torch},
+                              "jax": {"2048x2048x2048": jax}}
+  [amd] = race_report.torch_gemm_lines(rates(233.0, 541.0), "AuthenticAMD",
+                                       "float32")
+  assert amd.startswith("PyTorch's float32 GEMM runs at 0.43 of jax's")
+  assert "MKL" in amd and "AVX2" in amd
+  [intel] = race_report.torch_gemm_lines(rates(233.0, 541.0), "GenuineIntel",
+                                         "float32")
+  assert "0.43" in intel and "MKL" not in intel
+  assert race_report.torch_gemm_lines(rates(187.0, 220.0), "AuthenticAMD",
+                                      "float32") == []
+  assert race_report.torch_gemm_lines(rates(233.0, 541.0), "AuthenticAMD",
+                                      "bfloat16") == []
+
+
 def test_throughput_command_line_reruns_the_race():
   """The printed command is the one that reruns it, options included."""
   race_report = _benchmark_module("race_report")
@@ -610,6 +630,12 @@ def test_throughput_command_line_reruns_the_race():
           "--max_isa=avx2", "--matmul_dtype=bfloat16", "--growth"]
   assert (race_report.command_line(throughput.parse_args(argv))
           == "python benchmarks/throughput.py " + " ".join(argv))
+  # An LD_PRELOAD of the user's reaches every worker, so it is part of it.
+  assert (race_report.command_line(throughput.parse_args([]),
+                                   {"LD_PRELOAD": "a.so b.so", "HOME": "/"})
+          == "LD_PRELOAD='a.so b.so' python benchmarks/throughput.py")
+  assert (race_report.command_line(throughput.parse_args([]), {"HOME": "/"})
+          == "python benchmarks/throughput.py")
   # The summary's cpu="…" says what the race changed from the default one.
   assert race_report.summary_cpu(throughput.parse_args([]), "CPU") == "CPU"
   assert race_report.summary_cpu(throughput.parse_args(argv), "CPU") == (
