@@ -45,29 +45,36 @@ int64_t RowStride(int64_t d) { return d + 16; }
 // The forward output and the three gradients of one pair, by the tiled
 // passes of Tiles (tiled=true) or the float32 products of rounded values,
 // in rows RowStride(d) floats apart, and the probabilities, each followed
-// by 16 rows of sentinels.
+// by 16 rows of sentinels. The probabilities start p_offset floats past a
+// 64-byte boundary: the tiled forward pass writes them by non-temporal
+// stores where they are aligned so, by plain ones elsewhere.
 template <typename Tiles>
-std::vector<float> Run(const Shape& s, const PairOperands& x, bool tiled) {
+std::vector<float> Run(const Shape& s, const PairOperands& x, bool tiled,
+                       int64_t p_offset = 0) {
   const int64_t tq = s.query_tokens, tk = s.key_tokens, row = s.o_row,
                 tkp = s.padded_keys;
-  const int64_t qn = (tq + 16) * row, kn = (tk + 16) * row;
+  const int64_t qn = (tq + 16) * row, kn = (tk + 16) * row,
+                pn = (tq + 16) * tkp;
   std::vector<float> out(2 * qn + 2 * kn, kSentinel),
-      p((tq + 16) * tkp, kSentinel);
+      p_storage(pn + 16 + p_offset, kSentinel);
   float* o = out.data();
   float* dq = o + qn;
   float* dk = dq + qn;
   float* dv = dk + kn;
+  float* p = p_storage.data() +
+             (16 - reinterpret_cast<uintptr_t>(p_storage.data()) / 4 % 16) %
+                 16 +
+             p_offset;
   if (tiled) {
-    ForwardPairTiled<Tiles>(s, x.q.data(), x.k.data(), x.v.data(), o,
-                            p.data());
-    BackwardPairTiled<Tiles>(s, x.q.data(), x.k.data(), x.v.data(), p.data(),
+    ForwardPairTiled<Tiles>(s, x.q.data(), x.k.data(), x.v.data(), o, p);
+    BackwardPairTiled<Tiles>(s, x.q.data(), x.k.data(), x.v.data(), p,
                              x.dout.data(), dq, dk, dv);
   } else {
-    ForwardPairRounded(s, x.q.data(), x.k.data(), x.v.data(), o, p.data());
-    BackwardPairRounded(s, x.q.data(), x.k.data(), x.v.data(), p.data(),
+    ForwardPairRounded(s, x.q.data(), x.k.data(), x.v.data(), o, p);
+    BackwardPairRounded(s, x.q.data(), x.k.data(), x.v.data(), p,
                         x.dout.data(), dq, dk, dv);
   }
-  out.insert(out.end(), p.begin(), p.end());
+  out.insert(out.end(), p, p + pn);
   return out;
 }
 
@@ -81,17 +88,21 @@ int Check(int64_t tq, int64_t tk, int64_t d) {
   for (int64_t i = 0; i < tq; ++i)
     std::memcpy(&dout[i * row], &x.dout[i * d], d * sizeof(float));
   x.dout = dout;
-  const std::vector<float> got = Run<Tiles>(s, x, true);
   const std::vector<float> want = Run<Tiles>(s, x, false);
+  std::vector<float> got = Run<Tiles>(s, x, true);
+  // p not 64-byte aligned: the same values, by plain stores.
+  const std::vector<float> unaligned = Run<Tiles>(s, x, true, 4);
+  got.insert(got.end(), unaligned.begin(), unaligned.end());
   double worst = 0.0, largest = 0.0;
   int64_t overwritten = 0;
   for (size_t i = 0; i < got.size(); ++i) {
-    if (want[i] == kSentinel) {
+    const float wanted = want[i % want.size()];
+    if (wanted == kSentinel) {
       overwritten += got[i] != kSentinel;
       continue;
     }
-    worst = std::max(worst, std::fabs(double(got[i]) - want[i]));
-    largest = std::max(largest, std::fabs(double(want[i])));
+    worst = std::max(worst, std::fabs(double(got[i]) - wanted));
+    largest = std::max(largest, std::fabs(double(wanted)));
   }
   const bool ok = worst <= 1e-4 * largest && overwritten == 0;
   std::printf("%s tq=%ld tk=%ld d=%ld worst=%.2e largest=%.2e "

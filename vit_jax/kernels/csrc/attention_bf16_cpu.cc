@@ -162,29 +162,29 @@ void ForwardPairTiled(const Shape& s, const float* q, const float* k,
   const int64_t tqt = RoundUpTo(tq, 16), dd = RoundUpTo(d, 32),
                 tkd = RoundUpTo(tkp, 32);
   const int64_t qn = tqt * dd / 2, kn = dd / 2 * tkp, vn = tkd / 2 * d,
-                pn = tqt * tkd / 2, rows = tk * dd / 2;
-  uint32_t* qw = TileScratch(qn + kn + vn + pn + rows + tqt * tkp + 16 * d);
+                pn = tqt * tkd / 2;
+  uint32_t* qw = TileScratch(qn + kn + vn + pn + tqt * tkp + 16 * d);
   uint32_t* kw = qw + qn;
   uint32_t* vw = kw + kn;
   uint32_t* pw = vw + vn;
-  uint32_t* krows = pw + pn;
-  // The logits, then the probabilities, in scratch: written straight into
-  // p (new memory each pair), the pass took ~4% longer than with the copy
-  // below (one core of a Zen 4, 48 pairs of 197 tokens).
-  float* logits = reinterpret_cast<float*>(krows + rows);  // tqt x tkp
+  // The logits, then their exps, in scratch: computed in p (new memory
+  // each pair), the pass took ~4% longer than with p written once (one
+  // core of a Zen 4, 48 pairs of 197 tokens).
+  float* logits = reinterpret_cast<float*>(pw + pn);  // tqt x tkp
   float* partial = logits + tqt * tkp;  // 16 x d
   ToBfloat16Rows(tq, d, q, d, tqt, dd, reinterpret_cast<uint16_t*>(qw));
-  PairColumns(tk, d, k, d, dd / 2, tkp, kw, krows);
+  PairColumns(tk, d, k, d, dd / 2, tkp, kw);
   PairRows(tk, d, v, d, tkd / 2, vw);
   const Tiles tiles{};
   tiles.Product(tqt / 16, tkp / 16, dd, reinterpret_cast<uint16_t*>(qw),
                 dd * 2, kw, tkp * 4, logits, tkp);
-  Softmax(tq, tk, tkp, s.scale, logits);
-  if (p) std::memcpy(p, logits, tq * tkp * sizeof(float));
-  ToBfloat16Rows(tq, tkp, logits, tkp, tqt, tkd,
-                 reinterpret_cast<uint16_t*>(pw));
-  ProductRows(tiles, tq, d / 16, tkd, reinterpret_cast<uint16_t*>(pw),
-              tkd * 2, vw, d * 4, o, s.o_row, partial);
+  uint16_t* probabilities = reinterpret_cast<uint16_t*>(pw);  // tqt x tkd
+  Softmax(tq, tk, tkp, s.scale, logits,
+          NormalizeToBfloat16{tk, tkp, tkd, p, probabilities});
+  _mm_sfence();  // p's non-temporal stores done before anything reads it
+  std::fill(probabilities + tq * tkd, probabilities + tqt * tkd, uint16_t{0});
+  ProductRows(tiles, tq, d / 16, tkd, probabilities, tkd * 2, vw, d * 4, o,
+              s.o_row, partial);
 }
 
 // The backward pass of one pair on Tiles: BackwardPair's four products from
@@ -198,44 +198,44 @@ void BackwardPairTiled(const Shape& s, const float* q, const float* k,
                 tkp = s.padded_keys;
   const int64_t tqt = RoundUpTo(tq, 16), tqd = RoundUpTo(tq, 32),
                 dd = RoundUpTo(d, 32), tkd = RoundUpTo(tkp, 32);
-  // Operands (words): A (d x tqd or tqt x max(tkd, dd) bfloat16), B (pair
-  // rows: tkd/2 of d, tqd/2 or dd/2 of tkp), the conversions' scratch;
-  // results: dS (tqt x tkp floats) and one product (d x tkp or tqt x d).
-  const int64_t an = std::max(d * tqd, tqt * std::max(tkd, dd)) / 2,
+  // Operands (words): A (d x tqd or tqt x dd bfloat16), B (pair rows:
+  // tkd/2 of d, tqd/2 or dd/2 of tkp), dS as rows (tqt x tkd bfloat16) and
+  // as pairs of rows (tqd/2 x tkp); results: dP (tqt x tkp floats) and one
+  // product (d x tkp or tqt x d).
+  const int64_t an = std::max(d * tqd, tqt * dd) / 2,
                 bn = std::max(tkd / 2 * d, std::max(tqd, dd) / 2 * tkp),
-                sn = std::max(tq * d / 2 + 1, tk * dd / 2);
-  uint32_t* a = TileScratch(an + bn + sn + tqt * tkp +
+                rows_n = tqt * tkd / 2, pairs_n = tqd / 2 * tkp;
+  uint32_t* a = TileScratch(an + bn + rows_n + pairs_n + tqt * tkp +
                             std::max(tkp, tqt) * d);
   uint32_t* b = a + an;
-  uint32_t* scratch = b + bn;
-  float* ds = reinterpret_cast<float*>(scratch + sn);
-  float* product = ds + tqt * tkp;
+  uint16_t* ds_rows = reinterpret_cast<uint16_t*>(b + bn);
+  uint32_t* ds_pairs = b + bn + rows_n;
+  float* dp = reinterpret_cast<float*>(ds_pairs + pairs_n);
+  float* product = dp + tqt * tkp;
   uint16_t* a16 = reinterpret_cast<uint16_t*>(a);
   const Tiles tiles{};
   // dV = (dO^T P)^T: of the two operands contracted over their rows, the
   // narrower one (dO, not P) is the one transposed.
-  ToBfloat16Transposed(tq, d, dout, s.o_row, d, tqd, a16,
-                       reinterpret_cast<uint16_t*>(scratch));
+  ToBfloat16Transposed(tq, d, dout, s.o_row, d, tqd, a16);
   PairRows(tq, tkp, p, tkp, tqd / 2, b);
   tiles.Product(d / 16, tkp / 16, tqd, a16, tqd * 2, b, tkp * 4, product,
                 tkp);
   StoreTransposed(d, tk, product, tkp, dv, s.kv_row);
-  // dP = dO V^T, then dS in its place
+  // dP = dO V^T, then dS rounded as both products read it
   ToBfloat16Rows(tq, d, dout, s.o_row, tqt, dd, a16);
-  PairColumns(tk, d, v, d, dd / 2, tkp, b, scratch);
-  tiles.Product(tqt / 16, tkp / 16, dd, a16, dd * 2, b, tkp * 4, ds, tkp);
-  SoftmaxGradient(tq, tkp, s.scale, p, ds);
+  PairColumns(tk, d, v, d, dd / 2, tkp, b);
+  tiles.Product(tqt / 16, tkp / 16, dd, a16, dd * 2, b, tkp * 4, dp, tkp);
+  SoftmaxGradientToBfloat16(tq, tkp, s.scale, p, dp, tkd, ds_rows, ds_pairs);
+  std::fill(ds_rows + tq * tkd, ds_rows + tqt * tkd, uint16_t{0});
+  std::fill(ds_pairs + (tq + 1) / 2 * tkp, ds_pairs + pairs_n, 0u);
   // dQ = dS K
-  ToBfloat16Rows(tq, tkp, ds, tkp, tqt, tkd, a16);
   PairRows(tk, d, k, d, tkd / 2, b);
-  ProductRows(tiles, tq, d / 16, tkd, a16, tkd * 2, b, d * 4, dq, s.q_row,
+  ProductRows(tiles, tq, d / 16, tkd, ds_rows, tkd * 2, b, d * 4, dq, s.q_row,
               product);
   // dK = (Q^T dS)^T, the same way round
-  ToBfloat16Transposed(tq, d, q, d, d, tqd, a16,
-                       reinterpret_cast<uint16_t*>(scratch));
-  PairRows(tq, tkp, ds, tkp, tqd / 2, b);
-  tiles.Product(d / 16, tkp / 16, tqd, a16, tqd * 2, b, tkp * 4, product,
-                tkp);
+  ToBfloat16Transposed(tq, d, q, d, d, tqd, a16);
+  tiles.Product(d / 16, tkp / 16, tqd, a16, tqd * 2, ds_pairs, tkp * 4,
+                product, tkp);
   StoreTransposed(d, tk, product, tkp, dk, s.kv_row);
 }
 

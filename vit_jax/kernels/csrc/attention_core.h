@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "vector_transpose.h"
 #include "vectors.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -103,22 +104,25 @@ void Product(int64_t rows, int64_t columns, int64_t depth, const float* a,
   }
 }
 
-// x^T: (rows x columns, leading dimension ld) -> (columns x padded_rows),
-// the padding zero.
-void Transpose(int64_t rows, int64_t columns, const float* x, int64_t ld,
-               int64_t padded_rows, float* out) {
-  for (int64_t j = 0; j < columns; ++j) {
-    float* row = out + j * padded_rows;
-    for (int64_t i = 0; i < rows; ++i) row[i] = x[i * ld + j];
-    std::fill(row + rows, row + padded_rows, 0.0f);
+// Writes a row of softmax probabilities in place: its exps (`padded`
+// floats, the padding past `width` included) times the inverse of their
+// sum, the padding zero.
+struct NormalizeInPlace {
+  int64_t width, padded;
+  void operator()(int64_t /*row*/, float* exps, Vec inverse) const {
+    for (int64_t j = 0; j < padded; j += kLanes)
+      Store(exps + j, Load(exps + j) * inverse);
+    std::fill(exps + width, exps + padded, 0.0f);
   }
-}
+};
 
-// ROWS rows of logits (padded width, rows `padded` floats apart) ->
-// softmax(scale * logits) in place; the padding -> 0.
-template <int ROWS>
-inline void SoftmaxRows(int64_t width, int64_t padded, float scale, float* x) {
-  Vec vmax[ROWS], shift[ROWS], vsum[ROWS], inverse[ROWS];
+// ROWS rows of logits (padded width, rows `padded` floats apart, the
+// first row `row`) -> their exps, shifted by each row's maximum, in place,
+// then normalize(row + r, exps of row r, 1 / their sum) for each.
+template <int ROWS, typename Normalize>
+inline void SoftmaxRows(int64_t row, int64_t width, int64_t padded,
+                        float scale, float* x, const Normalize& normalize) {
+  Vec vmax[ROWS], shift[ROWS], vsum[ROWS];
   for (int r = 0; r < ROWS; ++r) {
     std::fill(x + r * padded + width, x + (r + 1) * padded, -INFINITY);
     vmax[r] = Load(x + r * padded);
@@ -139,24 +143,28 @@ inline void SoftmaxRows(int64_t width, int64_t padded, float scale, float* x) {
       vsum[r] += e;
     }
   for (int r = 0; r < ROWS; ++r)
-    inverse[r] = Splat(1.0f / SumOfLanes(vsum[r]));
-  for (int64_t j = 0; j < padded; j += kLanes)
-    for (int r = 0; r < ROWS; ++r)
-      Store(x + r * padded + j, Load(x + r * padded + j) * inverse[r]);
-  for (int r = 0; r < ROWS; ++r)
-    std::fill(x + r * padded + width, x + (r + 1) * padded, 0.0f);
+    normalize(row + r, x + r * padded, Splat(1.0f / SumOfLanes(vsum[r])));
 }
 
-// Rows of logits (padded width) -> softmax(scale * logits) in place, scale
-// > 0; the padding -> 0. Two rows at a time: a row's maximum, its sum and
-// their reductions are chains of dependent instructions, which the other
-// row's work fills (31 against 48 us at 197 x 208 on an Intel Xeon core).
+// Rows of logits (padded width) -> softmax(scale * logits), scale > 0, as
+// `normalize` writes each row from its exps and their sum's inverse
+// (SoftmaxRows). Two rows at a time: a row's maximum, its sum and their
+// reductions are chains of dependent instructions, which the other row's
+// work fills (31 against 48 us at 197 x 208 on an Intel Xeon core).
+template <typename Normalize>
 void Softmax(int64_t rows, int64_t width, int64_t padded, float scale,
-             float* x) {
+             float* x, const Normalize& normalize) {
   int64_t i = 0;
   for (; i + 2 <= rows; i += 2)
-    SoftmaxRows<2>(width, padded, scale, x + i * padded);
-  if (i < rows) SoftmaxRows<1>(width, padded, scale, x + i * padded);
+    SoftmaxRows<2>(i, width, padded, scale, x + i * padded, normalize);
+  if (i < rows)
+    SoftmaxRows<1>(i, width, padded, scale, x + i * padded, normalize);
+}
+
+// The same in place, the padding 0.
+void Softmax(int64_t rows, int64_t width, int64_t padded, float scale,
+             float* x) {
+  Softmax(rows, width, padded, scale, x, NormalizeInPlace{width, padded});
 }
 
 // dS = scale * P * (dP - rowsum(P * dP)) in place of dP: the gradient of

@@ -17,7 +17,13 @@
 #include <cstring>
 #include <vector>
 
+#include "vector_transpose.h"
+
 namespace {
+
+inline int64_t RoundUpTo(int64_t n, int64_t multiple) {
+  return (n + multiple - 1) / multiple * multiple;
+}
 
 // x (rows x columns floats, leading dimension ld) rounded into out (rows
 // of out_columns bfloat16 values, zero past columns; out_rows rows, zero
@@ -57,39 +63,143 @@ void PairRows(int64_t rows, int64_t columns, const float* x, int64_t ld,
 
 // out (depth_pairs x out_columns words): word (j, n) the pair (x[n, 2j],
 // x[n, 2j+1]), zero past x's rows and columns: B operand rows that pair
-// two columns of x (x^T as a product's right side). scratch holds rows *
-// depth_pairs words.
+// two columns of x (x^T as a product's right side). columns is a multiple
+// of 16, depth_pairs too; out_columns of 16 at least rows rounded up to
+// 16. In blocks of 16 rows by 16 pairs: each row's 32 values rounded into
+// 16 words, the block's words transposed through registers.
 void PairColumns(int64_t rows, int64_t columns, const float* x, int64_t ld,
-                 int64_t depth_pairs, int64_t out_columns, uint32_t* out,
-                 uint32_t* scratch) {
-  ToBfloat16Rows(rows, columns, x, ld, rows, 2 * depth_pairs,
-                 reinterpret_cast<uint16_t*>(scratch));
-  for (int64_t j = 0; j < depth_pairs; ++j) {
-    uint32_t* row = out + j * out_columns;
-    for (int64_t n = 0; n < rows; ++n) row[n] = scratch[n * depth_pairs + j];
-    std::fill(row + rows, row + out_columns, 0u);
-  }
+                 int64_t depth_pairs, int64_t out_columns, uint32_t* out) {
+  const int64_t whole = RoundUpTo(rows, 16);
+  for (int64_t n0 = 0; n0 < rows; n0 += 16)
+    for (int64_t j0 = 0; j0 < depth_pairs; j0 += 16) {
+      const int64_t c = 2 * j0;  // the block's first column of x
+      Vec block[16];
+      for (int i = 0; i < 16; ++i) {
+        const float* row = x + (n0 + i) * ld + c;
+        const bool inside = n0 + i < rows && c < columns;
+        const __m512 low = inside ? _mm512_loadu_ps(row) : _mm512_setzero_ps(),
+                     high = inside && c + 16 < columns
+                                ? _mm512_loadu_ps(row + 16)
+                                : _mm512_setzero_ps();
+        block[i] = (Vec)_mm512_cvtne2ps_pbh(high, low);  // 32 values in order
+      }
+      TransposeLanes(block);
+      for (int i = 0; i < 16; ++i)
+        Store(reinterpret_cast<float*>(out + (j0 + i) * out_columns + n0),
+              block[i]);
+    }
+  for (int64_t j = 0; j < depth_pairs; ++j)
+    std::fill(out + j * out_columns + whole, out + (j + 1) * out_columns, 0u);
 }
 
 // out (out_rows x out_columns bfloat16): x^T rounded, zero past x's
-// columns and rows: A operand rows from x's columns. scratch holds rows *
-// columns values.
+// columns and rows: A operand rows from x's columns. columns is a multiple
+// of 16, out_columns of 16 at least rows rounded up to 16. In blocks of 16
+// x 16 floats transposed through registers, each column rounded whole.
 void ToBfloat16Transposed(int64_t rows, int64_t columns, const float* x,
                           int64_t ld, int64_t out_rows, int64_t out_columns,
-                          uint16_t* out, uint16_t* scratch) {
-  ToBfloat16Rows(rows, columns, x, ld, rows, columns, scratch);
-  // In blocks of 16 x 16 values, which stay in L1.
-  for (int64_t n0 = 0; n0 < columns; n0 += 16)
-    for (int64_t t0 = 0; t0 < rows; t0 += 16) {
-      const int64_t n1 = std::min(columns, n0 + 16),
-                    t1 = std::min(rows, t0 + 16);
-      for (int64_t n = n0; n < n1; ++n)
-        for (int64_t t = t0; t < t1; ++t)
-          out[n * out_columns + t] = scratch[t * columns + n];
+                          uint16_t* out) {
+  const int64_t whole = RoundUpTo(rows, 16);
+  for (int64_t r0 = 0; r0 < rows; r0 += 16)
+    for (int64_t c0 = 0; c0 < columns; c0 += 16) {
+      Vec block[16];
+      LoadTransposed(rows, x, ld, r0, c0, block);
+      for (int j = 0; j < 16; ++j)
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(out + (c0 + j) * out_columns + r0),
+            (__m256i)_mm512_cvtneps_pbh((__m512)block[j]));
     }
   for (int64_t n = 0; n < out_rows; ++n) {
     uint16_t* row = out + n * out_columns;
-    std::fill(row + (n < columns ? rows : 0), row + out_columns, uint16_t{0});
+    std::fill(row + (n < columns ? whole : 0), row + out_columns,
+              uint16_t{0});
+  }
+}
+
+// Writes a row of softmax probabilities (Softmax's normalize, from its
+// exps and their sum's inverse) twice: float32 into p's row, if p is
+// given, and rounded into the bfloat16 row of `rounded` that the next
+// product reads; the padding past `width` zero in both. One pass, where
+// the probabilities normalized in place, copied to p and then rounded took
+// three. p's rows go by non-temporal stores where they are 64-byte aligned
+// (XLA aligns its buffers so, and the rows are whole cache lines): p is
+// read again only in the backward pass, and a plain store would first
+// read each line of it from memory. The forward pass of a pair of 197
+// tokens, writing a new p each time, took 40 us that way on a Zen 5 core,
+// 49 us with plain stores, and 45 us with the normalize, copy and rounding
+// as three passes. The caller fences (_mm_sfence) before p is read.
+struct NormalizeToBfloat16 {
+  int64_t width, padded;  // p's rows: `padded` floats
+  int64_t rounded_columns;  // rounded's rows: values, at least padded
+  float* p;
+  uint16_t* rounded;
+  void operator()(int64_t row, const float* exps, Vec inverse) const {
+    float* p_row = p ? p + row * padded : nullptr;
+    uint16_t* out = rounded + row * rounded_columns;
+    const bool stream =
+        p_row != nullptr && reinterpret_cast<uintptr_t>(p_row) % 64 == 0;
+    for (int64_t j = 0; j < padded; j += 16) {
+      __m512 y = (__m512)(Load(exps + j) * inverse);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
+                          (__m256i)_mm512_cvtneps_pbh(y));
+      if (j + 16 > width)  // zero the padding
+        y = _mm512_maskz_mov_ps(
+            static_cast<__mmask16>((1u << std::max<int64_t>(width - j, 0)) -
+                                   1),
+            y);
+      if (stream) {
+        _mm512_stream_ps(p_row + j, y);
+      } else if (p_row != nullptr) {
+        _mm512_storeu_ps(p_row + j, y);
+      }
+    }
+    std::fill(out + width, out + rounded_columns, uint16_t{0});
+  }
+};
+
+// dS = scale * P * (dP - rowsum(P * dP)) (SoftmaxGradient's values, P and
+// dP rows of `padded` floats) rounded, written as the two operands that
+// read it: rows (tq x row_columns values, zero past padded; the caller
+// zeroes rows past tq) and pairs of rows (word (j, c) the pair (dS[2j, c],
+// dS[2j+1, c]), zero past the rows). One pass, where dS written in place
+// and then rounded twice took three (the backward pass ~4% faster on a
+// Zen 5 core).
+void SoftmaxGradientToBfloat16(int64_t rows, int64_t padded, float scale,
+                               const float* p, const float* dp,
+                               int64_t row_columns, uint16_t* ds_rows,
+                               uint32_t* ds_pairs) {
+  auto row_dot = [&](int64_t i) {
+    Vec dot{};
+    for (int64_t j = 0; j < padded; j += 16)
+      dot += Load(p + i * padded + j) * Load(dp + i * padded + j);
+    return Splat(SumOfLanes(dot));
+  };
+  auto gradient = [&](int64_t i, Vec dot, int64_t j) {
+    return _mm512_cvtneps_pbh((__m512)(Load(p + i * padded + j) *
+                                       (Load(dp + i * padded + j) - dot) *
+                                       scale));
+  };
+  for (int64_t i = 0; i < rows; i += 2) {
+    const bool odd = i + 1 < rows;  // the pair's second row is there
+    const Vec even_dot = row_dot(i), odd_dot = odd ? row_dot(i + 1) : Vec{};
+    uint16_t* even_row = ds_rows + i * row_columns;
+    for (int64_t j = 0; j < padded; j += 16) {
+      const __m256i even = (__m256i)gradient(i, even_dot, j),
+                    second = odd ? (__m256i)gradient(i + 1, odd_dot, j)
+                                 : _mm256_setzero_si256();
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(even_row + j), even);
+      if (odd)
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(even_row + row_columns + j), second);
+      _mm512_storeu_si512(
+          ds_pairs + i / 2 * padded + j,
+          _mm512_or_si512(_mm512_cvtepu16_epi32(even),
+                          _mm512_slli_epi32(_mm512_cvtepu16_epi32(second),
+                                            16)));
+    }
+    for (int64_t r = i; r < std::min(i + 2, rows); ++r)
+      std::fill(ds_rows + r * row_columns + padded,
+                ds_rows + (r + 1) * row_columns, uint16_t{0});
   }
 }
 
@@ -221,63 +331,11 @@ void TileProduct(int64_t m_blocks, int64_t n_blocks, int64_t depth,
 
 #endif  // AMX
 
-// r[0..15], the rows of a 16 x 16 block, transposed in place: r[j] becomes
-// the block's column j. Within 128-bit lanes, then across them: rows
-// interleaved by single values, then by pairs, then lanes of four
-// gathered from four groups of rows.
-inline void Transpose16x16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  // r[4g + m], lane L: column 4L + m of rows 4g .. 4g + 3.
-  for (int i = 0; i < 16; i += 4)
-    for (int h = 0; h < 2; ++h) {
-      const __m512d a = _mm512_castps_pd(t[i + h]),
-                    b = _mm512_castps_pd(t[i + h + 2]);
-      r[i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-      r[i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    }
-  for (int m = 0; m < 4; ++m)
-    for (int g = 0; g < 16; g += 8) {
-      t[m + g] = _mm512_shuffle_f32x4(r[m + g], r[m + g + 4], 0x88);
-      t[m + g + 4] = _mm512_shuffle_f32x4(r[m + g], r[m + g + 4], 0xdd);
-    }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-  }
-}
-
-// out (columns x rows, leading dimension ldo) = x^T, x (rows x columns,
-// leading dimension ldx); rows a multiple of 16, x's rows readable up to a
-// multiple of 16 columns. In 16 x 16 blocks through registers: the
-// backward pass's dV and dK, computed transposed, were stored one value at
-// a time, ~10% of the pass.
-void StoreTransposed(int64_t rows, int64_t columns, const float* x,
-                     int64_t ldx, float* out, int64_t ldo) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 16)
-    for (int64_t c0 = 0; c0 < columns; c0 += 16) {
-      __m512 block[16];
-      for (int i = 0; i < 16; ++i)
-        block[i] = _mm512_loadu_ps(x + (r0 + i) * ldx + c0);
-      Transpose16x16(block);
-      const int64_t n = std::min<int64_t>(16, columns - c0);
-      for (int64_t j = 0; j < n; ++j)
-        _mm512_storeu_ps(out + (c0 + j) * ldo + r0, block[j]);
-    }
-}
-
 // Scratch of one thread for the tiled passes, in 32-bit words.
 uint32_t* TileScratch(size_t words) {
   thread_local std::vector<uint32_t> scratch;
   if (scratch.size() < words) scratch.resize(words);
   return scratch.data();
-}
-
-inline int64_t RoundUpTo(int64_t n, int64_t multiple) {
-  return (n + multiple - 1) / multiple * multiple;
 }
 
 }  // namespace
