@@ -152,8 +152,12 @@ def test_bfloat16_activations_are_the_float32_ones_rounded(shape):
   """With activations_dtype=bfloat16 the kernel's activations, forward and
   backward, are its float32 ones as XLA rounds them (to nearest, ties to
   even), in whole vectors and in a row's last part (17 columns); the other
-  results are unchanged. NaN and infinities stay so."""
+  results are unchanged. NaN and infinities stay so; results below
+  float32's smallest normal (GELU(+-2e-38) = +-1e-38) are zeros in both, as
+  XLA:CPU flushes denormals to zero (the kernel's AVX512_BF16 rounding
+  does too)."""
   h = _inputs(5, *shape)
+  h.reshape(-1)[2:4] = [2e-38, -2e-38]  # where the bias is zero
   h.reshape(-1)[10:13] = [np.nan, np.inf, -np.inf]
   bias = _bias(6, shape[-1])
   grad = np.random.default_rng(7).normal(size=shape).astype(np.float32)
@@ -164,6 +168,7 @@ def test_bfloat16_activations_are_the_float32_ones_rounded(shape):
   assert result.dtype == jnp.bfloat16
   np.testing.assert_array_equal(result.astype(np.float32),
                                 expected.astype(np.float32))
+  assert np.all(result.reshape(-1)[2:4].astype(np.float32) == 0)
   backward = jax.jit(cpu_gelu.gelu_and_gradient, static_argnums=3)
   ours = backward(h, bias, grad, jnp.bfloat16)
   reference = backward(h, bias, grad, jnp.float32)

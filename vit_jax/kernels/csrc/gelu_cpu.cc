@@ -89,8 +89,25 @@ using ActivationsOf =
 inline void StoreActivations(float* p, Vec v, int64_t count) {
   StorePart(p, v, count);
 }
+// Rounded to bfloat16. With AVX512_BF16, by its instruction (vcvtneps2bf16)
+// in place of StoreBfloat16Part's ten: the bfloat16 GELU's passes took 31%
+// (forward) and 17% (backward) less time on a Zen 5 core. The same values
+// as XLA's rounding (to nearest, ties to even; a NaN stays one): the
+// instruction flushes denormals to zero, and XLA:CPU runs its programs,
+// this kernel included, with denormals flushed to zero already (a GELU of
+// 1e-38 is 0 in float32 too).
 inline void StoreActivations(uint16_t* p, Vec v, int64_t count) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const __m256i rounded = (__m256i)_mm512_cvtneps_pbh((__m512)v);
+  if (count == kLanes) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), rounded);
+  } else {
+    _mm256_mask_storeu_epi16(p, static_cast<__mmask16>((1u << count) - 1),
+                             rounded);
+  }
+#else
   StoreBfloat16Part(p, v, count);
+#endif
 }
 
 // The h, b and da of a call and its shape: `groups` groups of `rows` rows
