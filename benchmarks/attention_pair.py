@@ -3,21 +3,28 @@ r"""One attention pair's forward and backward pass on one core, in C++.
   python benchmarks/attention_pair.py                      # 197 and 65 tokens
   python benchmarks/attention_pair.py --tokens=197 \
       --against=/tmp/old/vit_jax/kernels/csrc              # two trees' kernels
+  python benchmarks/attention_pair.py --dtype=bfloat16 --memory=cold
 
-Builds benchmarks/attention_pair_timing.cc against the float32 attention
-kernel's sources (this checkout's; with --against, another tree's too, e.g.
-a clone of an earlier commit), with the flags `cpu_build` builds the kernels
-with, and runs each build pinned to one core, the builds in turns, --rounds
+Builds benchmarks/attention_pair_timing.cc against the attention kernels'
+sources (this checkout's; with --against, another tree's too, e.g. a clone
+of an earlier commit), with the flags `cpu_build` builds the kernels with,
+and runs each build pinned to one core, the builds in turns, --rounds
 times. Each run prints the best of 7 x 200 calls of each pass and the
-products' GFLOP/s. What it times is the kernel's own arithmetic (the
-products, the softmax and its gradient, the transposes), not what the
-train step adds around it: threads, the copies out of the projections
-with their bias, the bias's gradient (`cpu_profile.py` shows those).
+products' GFLOP/s. --dtype=bfloat16 times the passes with bfloat16 products
+(on the engine this CPU takes: AMX, AVX512_BF16's dot instruction, or
+float32 products of the rounded operands). --memory=cold gives each call
+probabilities in memory untouched since its last use, as a train step's
+forward pass writes them and its backward pass reads them; "hot" (the
+default) keeps them in the core's cache. What it times is the kernel's own
+work (the products, the softmax and its gradient, the transposes and
+roundings), not what the train step adds around it: threads, the copies
+out of the projections with their bias, the bias's gradient
+(`cpu_profile.py` shows those).
 
-Ends with `summary: tokens=… forward_us=… backward_us=… cpu="…"`, the
-medians over rounds at the first --tokens, and with --against
-`forward_ratio=… backward_ratio=…`: this tree's time over the other's
-(below 1: this tree faster).
+Ends with `summary: tokens=… forward_us=… backward_us=… dtype=…
+memory=… cpu="…"`, the medians over rounds at the first --tokens, and with
+--against `forward_ratio=… backward_ratio=…` before `cpu`: this tree's time
+over the other's (below 1: this tree faster).
 """
 
 import argparse
@@ -45,11 +52,12 @@ def build(sources: pathlib.Path, program: pathlib.Path) -> None:
        str(program)], check=True)
 
 
-def run(program: pathlib.Path, tokens: int, head_dim: int) -> dict:
+def run(program: pathlib.Path, tokens: int, head_dim: int, dtype: str,
+        memory: str) -> dict:
   """One run of a build, on one core: its fields as numbers."""
   core = min(os.sched_getaffinity(0))
   line = subprocess.run(
-      [str(program), str(tokens), str(head_dim)], check=True,
+      [str(program), str(tokens), str(head_dim), dtype, memory], check=True,
       capture_output=True, text=True,
       preexec_fn=lambda: os.sched_setaffinity(0, {core})).stdout
   return {key: float(value) for key, value in
@@ -65,6 +73,10 @@ def main() -> None:
   parser.add_argument("--against", type=pathlib.Path,
                       help="another tree's vit_jax/kernels/csrc to compare")
   parser.add_argument("--rounds", type=int, default=4)
+  parser.add_argument("--dtype", choices=("float32", "bfloat16"),
+                      default="float32", help="the products' operands")
+  parser.add_argument("--memory", choices=("hot", "cold"), default="hot",
+                      help="where each call's probabilities are")
   args = parser.parse_args()
   token_counts = [int(t) for t in args.tokens.split(",")]
   trees = {"this": cpu_build.SOURCES[0].parent}
@@ -82,20 +94,23 @@ def main() -> None:
       runs = {name: [] for name in programs}
       for _ in range(args.rounds):
         for name, program in programs.items():
-          runs[name].append(run(program, tokens, args.head_dim))
+          runs[name].append(run(program, tokens, args.head_dim, args.dtype,
+                                args.memory))
       for name, results in runs.items():
         median = {key: statistics.median(r[key] for r in results)
                   for key in ("forward_us", "backward_us", "forward_gflops",
                               "backward_gflops")}
         medians[tokens, name] = median
-        print(f"{tokens} tokens, {name} tree ({trees[name]}): forward "
+        print(f"{tokens} tokens, {args.dtype}, p {args.memory}, {name} tree "
+              f"({trees[name]}): forward "
               f"{median['forward_us']:.1f} us ({median['forward_gflops']:.0f}"
               f" GFLOP/s), backward {median['backward_us']:.1f} us "
               f"({median['backward_gflops']:.0f} GFLOP/s), medians of "
               f"{args.rounds}")
   first = medians[token_counts[0], "this"]
   summary = (f"tokens={token_counts[0]} forward_us={first['forward_us']:.1f}"
-             f" backward_us={first['backward_us']:.1f}")
+             f" backward_us={first['backward_us']:.1f} dtype={args.dtype}"
+             f" memory={args.memory}")
   if args.against:
     other = medians[token_counts[0], "against"]
     summary += (f" forward_ratio={first['forward_us'] / other['forward_us']:.3f}"

@@ -89,7 +89,8 @@ def test_throughput_worker_measures_the_real_train_step(cpu_devices,
   assert measured["matmul_dtype"] == (matmul_dtype or "float32")
   assert 0 < measured["trace_s"] < measured["compile_s"]  # trace, then XLA
   assert measured["peak_rss_mib"] > 0
-  assert "--xla_cpu_experimental_ynn_fusion_type=" in measured["xla_flags"]
+  assert ("--xla_cpu_experimental_ynn_fusion_type=reduce"
+          in measured["xla_flags"])
   tokens, width, mlp = 5, 192, 768
   forward = _forward_flops_of_the_tiny_worker()
   # AdamW's update, shared by the batch of 4: a generous 20 FLOPs/parameter.
@@ -1026,16 +1027,24 @@ def test_vector_width_benchmark_times_both_widths_of_the_same_kernels():
 @pytest.mark.skipif(cpu_build.load() is not None,
                     reason=f"the CPU kernels cannot be built here: "
                     f"{cpu_build.load()}")
-def test_attention_pair_benchmark_times_both_trees_at_each_token_count():
+@pytest.mark.parametrize("dtype,memory", [("float32", "hot"),
+                                          ("bfloat16", "cold")])
+def test_attention_pair_benchmark_times_both_trees_at_each_token_count(
+    dtype, memory):
   """benchmarks/attention_pair.py builds its C++ harness against two
   kernel trees (here this one twice) and reports each tree at each token
   count, the products' rates consistent with the times, and a summary
-  with the two trees' ratios."""
+  with the two trees' ratios; in float32 with the probabilities in cache
+  (the defaults) and with bfloat16 products and the probabilities in
+  memory untouched since their last use."""
+  options = ([] if (dtype, memory) == ("float32", "hot")
+             else [f"--dtype={dtype}", f"--memory={memory}"])
   csrc = str(cpu_build.SOURCES[0].parent)
   lines = _run("benchmarks/attention_pair.py", "--tokens=17,33",
-               "--rounds=1", f"--against={csrc}")
+               "--rounds=1", f"--against={csrc}", *options)
   assert lines[0].startswith("Command: python benchmarks/attention_pair.py")
-  rows = [re.match(r"(\d+) tokens, (this|against) tree .*: forward "
+  rows = [re.match(rf"(\d+) tokens, {dtype}, p {memory}, (this|against) "
+                   r"tree .*: forward "
                    r"([\d.]+) us \((\d+) GFLOP/s\), backward ([\d.]+) us",
                    line) for line in lines[2:-1]]
   assert [(r.group(1), r.group(2)) for r in rows] == [
@@ -1050,6 +1059,7 @@ def test_attention_pair_benchmark_times_both_trees_at_each_token_count():
                                               rel=0.05, abs=1)
   summary = re.fullmatch(
       r'summary: tokens=17 forward_us=([\d.]+) backward_us=([\d.]+) '
+      rf'dtype={dtype} memory={memory} '
       r'forward_ratio=([\d.]+) backward_ratio=([\d.]+) cpu="[^"]+"',
       lines[-1])
   assert summary, lines[-1]

@@ -290,7 +290,8 @@ def test_xla_compiler_options_turn_on_ynnpack_dots_only_for_bfloat16():
     assert options is None
     return
   assert options == {"xla_cpu_experimental_ynn_fusion_type":
-                     "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+                     "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,"
+                     "LIBRARY_FUSION_TYPE_REDUCE"}
   a = jax.random.normal(jax.random.PRNGKey(0), (64, 48))
   b = jax.random.normal(jax.random.PRNGKey(1), (48, 32))
   product = lambda a, b: matmuls.dense_dot_general(

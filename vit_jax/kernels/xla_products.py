@@ -34,9 +34,10 @@ def xla_compiler_options(operand_dtype: Any) -> Optional[dict[str, str]]:
   """The per-program XLA options that run the products of `operand_dtype`
   fast, for `jax.jit(..., compiler_options=...)`; None if there are none.
 
-  bfloat16 on XLA:CPU (jaxlib 0.10-0.12): YNNPACK for each dot on its own. Why
-  per program: vit_jax turns YNNPACK off process-wide
-  (`runtime.host.default_xla_flags`), as it slows float32 steps; for
+  bfloat16 on XLA:CPU (jaxlib 0.10-0.12): YNNPACK for each dot on its own,
+  and for the reductions as process-wide. Why per program: vit_jax turns
+  YNNPACK's fusions off process-wide but for its reductions
+  (`runtime.host.default_xla_flags`), as they slow float32 steps; for
   bfloat16 operands with float32 accumulation its dots use the CPU's
   bfloat16 dot instructions (ViT-Ti's widths: 310-360 against 200
   GFLOP/s in float32 on an AVX512_BF16 core pair), where XLA's own
@@ -47,7 +48,7 @@ def xla_compiler_options(operand_dtype: Any) -> Optional[dict[str, str]]:
       or host.jaxlib_release() not in _YNNPACK_DOT_RELEASES):
     return None
   return {"xla_cpu_experimental_ynn_fusion_type":
-          "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+          "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"}
 
 
 # /proc/cpuinfo's flags for bfloat16 dot instructions, and their names:
