@@ -272,7 +272,8 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
                                 **dict(dims, **fields))
   state = steps.create_train_state(model, (size, size, 3), optim.adamw(
       1e-3, weight_decay=0.05), 0, mesh)
-  # bfloat16 products take YNNPACK for their dots, as in the trainer.
+  # The trainer's options: YNNPACK's dots for bfloat16 products, and its
+  # reductions beside the C++ kernels.
   step = race_workers.jit_train_step(dict(
       xla_products.xla_compiler_options(fields.get("matmul_dtype")) or {},
       **xla_options) or None)

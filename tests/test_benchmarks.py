@@ -89,8 +89,7 @@ def test_throughput_worker_measures_the_real_train_step(cpu_devices,
   assert measured["matmul_dtype"] == (matmul_dtype or "float32")
   assert 0 < measured["trace_s"] < measured["compile_s"]  # trace, then XLA
   assert measured["peak_rss_mib"] > 0
-  assert ("--xla_cpu_experimental_ynn_fusion_type=reduce"
-          in measured["xla_flags"])
+  assert "--xla_cpu_experimental_ynn_fusion_type=" in measured["xla_flags"]
   tokens, width, mlp = 5, 192, 768
   forward = _forward_flops_of_the_tiny_worker()
   # AdamW's update, shared by the batch of 4: a generous 20 FLOPs/parameter.

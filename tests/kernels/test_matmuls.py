@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vit_jax.kernels import gelu_matmul, matmuls, xla_products
+from vit_jax.kernels import cpu_build, gelu_matmul, matmuls, xla_products
 from vit_jax.model import blocks, vit
-from vit_jax.runtime import cpu_info
+from vit_jax.runtime import cpu_info, host
 
 _DENSE = (((1,), (0,)), ((), ()))
 
@@ -283,15 +283,21 @@ def test_bfloat16_kernel_gradient_runs_in_ynnpack_in_one_group_or_several(
 
 
 def test_xla_compiler_options_turn_on_ynnpack_dots_only_for_bfloat16():
+  """On XLA:CPU, YNNPACK's dots for bfloat16 products only, and its
+  reductions wherever the C++ kernels run; nothing elsewhere."""
   options = xla_products.xla_compiler_options(jnp.bfloat16)
-  assert xla_products.xla_compiler_options(None) is None
-  assert xla_products.xla_compiler_options(jnp.float32) is None
-  if jax.default_backend() != "cpu":
-    assert options is None
+  float32 = xla_products.xla_compiler_options(None)
+  assert xla_products.xla_compiler_options(jnp.float32) == float32
+  if (jax.default_backend() != "cpu"
+      or host.jaxlib_release() not in ("0.10", "0.11", "0.12")):
+    assert options is None and float32 is None
     return
-  assert options == {"xla_cpu_experimental_ynn_fusion_type":
-                     "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,"
-                     "LIBRARY_FUSION_TYPE_REDUCE"}
+  kernels = cpu_build.problem() is None
+  flag = "xla_cpu_experimental_ynn_fusion_type"
+  assert float32 == ({flag: "LIBRARY_FUSION_TYPE_REDUCE"} if kernels
+                     else None)
+  assert options == {flag: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT" + (
+      ",LIBRARY_FUSION_TYPE_REDUCE" if kernels else "")}
   a = jax.random.normal(jax.random.PRNGKey(0), (64, 48))
   b = jax.random.normal(jax.random.PRNGKey(1), (48, 32))
   product = lambda a, b: matmuls.dense_dot_general(
@@ -300,6 +306,37 @@ def test_xla_compiler_options_turn_on_ynnpack_dots_only_for_bfloat16():
   assert "ynn_fusion" in compiled.as_text()  # YNNPACK runs the product
   np.testing.assert_allclose(compiled(a, b), jax.jit(product)(a, b),
                              rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu" or cpu_build.problem() is not None
+    or host.jaxlib_release() not in ("0.10", "0.11", "0.12"),
+    reason="YNNPACK's reductions are vit_jax's options for XLA:CPU with the "
+    "C++ kernels, on jaxlib 0.10-0.12")
+def test_a_bias_gradients_sum_runs_in_ynnpack_not_a_reduce_window():
+  """A Dense bias's gradient over (batch, tokens), summed beside another
+  use of the output gradient as in the train step: with vit_jax's process
+  flags alone (tests/conftest.py: YNNPACK's fusions off) XLA rewrites the
+  sum into a reduce-window padded to 32 rows; with the steps' options,
+  float32 or bfloat16, YNNPACK sums it; the same sums either way."""
+  def bias_and_input_gradients(a, b, kernel):
+    output_grad = a + b  # the residual stream's gradient
+    return jnp.sum(output_grad, axis=(0, 1)), output_grad @ kernel.T
+
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  operands = [jax.random.normal(keys[0], (4, 197, 64)),
+              jax.random.normal(keys[1], (4, 197, 64)),
+              jax.random.normal(keys[2], (32, 64))]
+  compile_with = lambda options: jax.jit(bias_and_input_gradients).lower(
+      *operands).compile(options)
+  assert "reduce-window(" in compile_with(None).as_text()
+  for dtype in (None, jnp.bfloat16):
+    compiled = compile_with(xla_products.xla_compiler_options(dtype))
+    assert ("reduce-window(" not in compiled.as_text()
+            and "ynn" in compiled.as_text()), dtype
+    np.testing.assert_allclose(compiled(*operands)[0],
+                               compile_with(None)(*operands)[0],
+                               rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("key,flags,expected", [

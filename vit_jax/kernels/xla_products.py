@@ -7,7 +7,8 @@
   with bfloat16 operands through YNNPACK, by a transposed copy that a C++
   kernel makes (`cpu_transpose`).
 - `xla_compiler_options`: the per-program options that turn YNNPACK on for
-  bfloat16 products; `bfloat16_dot_instructions`: whether they pay here.
+  bfloat16 products and for the reductions beside the C++ kernels;
+  `bfloat16_dot_instructions`: whether bfloat16 products pay here.
 
 `matmuls` (the Dense layers' `dot_general` and its backward pass) and
 `gelu_matmul` (the MLP's second Dense with its GELU) are made of these.
@@ -26,29 +27,41 @@ _OVER_ROWS = (((0,), (0,)), ((), ()))  # contract the first axes: a^T b
 
 # The jaxlib releases whose YNNPACK ran bfloat16 products faster than their
 # float32 (docs/performance.md, *bfloat16 products on a CPU* for 0.10,
-# *Newer JAX releases* for 0.11 and 0.12).
-_YNNPACK_DOT_RELEASES = ("0.10", "0.11", "0.12")
+# *Newer JAX releases* for 0.11 and 0.12), and whose YNNPACK reductions
+# (*The Zen 5 a second time*) were measured.
+_YNNPACK_RELEASES = ("0.10", "0.11", "0.12")
 
 
 def xla_compiler_options(operand_dtype: Any) -> Optional[dict[str, str]]:
-  """The per-program XLA options that run the products of `operand_dtype`
-  fast, for `jax.jit(..., compiler_options=...)`; None if there are none.
+  """The per-program XLA options for vit_jax's train, eval and inference
+  steps whose products take `operand_dtype`, for `jax.jit(...,
+  compiler_options=...)`; None if there are none. On XLA:CPU (jaxlib
+  0.10-0.12), YNNPACK fusions that vit_jax turns off process-wide
+  (`runtime.host.default_xla_flags`, as they slowed float32 steps):
 
-  bfloat16 on XLA:CPU (jaxlib 0.10-0.12): YNNPACK for each dot on its own,
-  and for the reductions as process-wide. Why per program: vit_jax turns
-  YNNPACK's fusions off process-wide but for its reductions
-  (`runtime.host.default_xla_flags`), as they slow float32 steps; for
-  bfloat16 operands with float32 accumulation its dots use the CPU's
-  bfloat16 dot instructions (ViT-Ti's widths: 310-360 against 200
-  GFLOP/s in float32 on an AVX512_BF16 core pair), where XLA's own
-  (Eigen) widens them to float32.
+  - for bfloat16 operands, YNNPACK for each dot on its own: its dots use the
+    CPU's bfloat16 dot instructions (ViT-Ti's widths: 310-360 against 200
+    GFLOP/s in float32 on an AVX512_BF16 core pair), where XLA's own
+    (Eigen) widens them to float32;
+  - where the C++ kernels run (`cpu_build.problem()` is None: they take the
+    attention core, and the einsums' softmax is not in the program),
+    YNNPACK's reductions: the Dense layers' bias gradients, which XLA sums
+    over (batch, tokens) in windows of 32 rows padded from 197 to 224, in
+    one pass (the train step 1.1-1.4% faster on a Zen 5).
   """
-  if (operand_dtype is None or jnp.dtype(operand_dtype) != jnp.bfloat16
-      or jax.default_backend() != "cpu"
-      or host.jaxlib_release() not in _YNNPACK_DOT_RELEASES):
+  if jax.default_backend() != "cpu" or host.jaxlib_release() not in (
+      _YNNPACK_RELEASES):
     return None
-  return {"xla_cpu_experimental_ynn_fusion_type":
-          "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"}
+  fusions = [name for name, wanted in (
+      ("LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT", _bfloat16(operand_dtype)),
+      ("LIBRARY_FUSION_TYPE_REDUCE", cpu_build.problem() is None)) if wanted]
+  return ({"xla_cpu_experimental_ynn_fusion_type": ",".join(fusions)}
+          if fusions else None)
+
+
+def _bfloat16(operand_dtype: Any) -> bool:
+  return (operand_dtype is not None
+          and jnp.dtype(operand_dtype) == jnp.bfloat16)
 
 
 # /proc/cpuinfo's flags for bfloat16 dot instructions, and their names:
@@ -133,8 +146,9 @@ def xla_kernel_gradient(inputs: jax.Array, output_grad: jax.Array,
 def _ynnpack_runs(operand_dtype) -> bool:
   """Whether products of operand_dtype run in YNNPACK here, with the
   transpose kernel built."""
-  return (xla_compiler_options(operand_dtype) is not None
-          and cpu_build.problem() is None)
+  return (_bfloat16(operand_dtype) and cpu_build.problem() is None
+          and "INDIVIDUAL_DOT" in (xla_compiler_options(operand_dtype) or {})
+          .get("xla_cpu_experimental_ynn_fusion_type", ""))
 
 
 def _row_groups(rows: int) -> int:

@@ -20,9 +20,7 @@ documented in docs/performance.md ("Speed on a CPU"):
   and the attention-weighted sum into one YNNPACK call that runs at
   ~9 GFLOP/s; without YNNPACK fusions ViT-Ti/16 inference at 224 px runs
   1.6x faster (training unchanged), and on jaxlib 0.11 and 0.12 still
-  4-9% faster; YNNPACK's reductions alone are kept (the bias gradients'
-  sums, where XLA's own padded reduce-windows made the train step 1.1-1.4%
-  slower on a Zen 5). On an Intel CPU with AVX-512, XLA's own kernels (GELU,
+  4-9% faster. On an Intel CPU with AVX-512, XLA's own kernels (GELU,
   LayerNorm, biases, ...) use 512-bit vectors where XLA's default is 256:
   GELU's fusions 20-50% faster, the ViT-Ti/16 @224 train step 1.7-1.8%,
   on a Xeon with AMX; on an AMD EPYC with AVX-512 the same
@@ -104,16 +102,11 @@ def reexec_with_fast_malloc() -> None:
 
 # Flags tied to the jaxlib minor releases they were measured on (an unknown
 # flag in XLA_FLAGS aborts the process, so never guess for another one).
-# YNNPACK's reductions and none of its other fusions. Without its other
-# fusions, on 0.11 and 0.12 as on 0.10, inference ran 4-9% faster and
-# training 0-5% (docs/performance.md, *Newer JAX releases*); with its
-# reductions, which sum the Dense layers' bias gradients where XLA rewrote
-# each sum as a padded reduce-window, the train step took 1.1-1.4% less
-# time on a Zen 5 (*The Zen 5 a second time*).
-_YNNPACK_REDUCTIONS_ONLY = ("--xla_cpu_experimental_ynn_fusion_type=reduce",)
-_XLA_CPU_FLAGS = {"0.10": _YNNPACK_REDUCTIONS_ONLY,
-                  "0.11": _YNNPACK_REDUCTIONS_ONLY,
-                  "0.12": _YNNPACK_REDUCTIONS_ONLY}
+# Without YNNPACK's fusions, on 0.11 and 0.12 as on 0.10, inference ran 4-9%
+# faster and training 0-5% (docs/performance.md, *Newer JAX releases*).
+_NO_YNNPACK_FUSIONS = ("--xla_cpu_experimental_ynn_fusion_type=",)
+_XLA_CPU_FLAGS = {"0.10": _NO_YNNPACK_FUSIONS, "0.11": _NO_YNNPACK_FUSIONS,
+                  "0.12": _NO_YNNPACK_FUSIONS}
 
 
 # 512-bit vectors for XLA's generated kernels: measured faster on an Intel
