@@ -35,8 +35,8 @@ _YNNPACK_RELEASES = ("0.10", "0.11", "0.12")
 def xla_compiler_options(operand_dtype: Any) -> Optional[dict[str, str]]:
   """The per-program XLA options for vit_jax's train and eval steps (and
   the benchmarks') whose products take `operand_dtype`, for
-  `jax.jit(..., compiler_options=...)`; None if there are none. On XLA:CPU (jaxlib
-  0.10-0.12), YNNPACK fusions that vit_jax turns off process-wide
+  `jax.jit(..., compiler_options=...)`; None if there are none. On XLA:CPU
+  (jaxlib 0.10-0.12), YNNPACK fusions that vit_jax turns off process-wide
   (`runtime.host.default_xla_flags`, as they slowed float32 steps):
 
   - for bfloat16 operands, YNNPACK for each dot on its own: its dots use the

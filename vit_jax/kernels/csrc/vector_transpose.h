@@ -113,7 +113,8 @@ void StoreTransposed(int64_t rows, int64_t columns, const float* x,
       Vec block[kLanes];
       LoadTransposed(rows, x, ldx, r0, c0, block);
       const int64_t n = std::min<int64_t>(kLanes, columns - c0);
-      for (int64_t j = 0; j < n; ++j) Store(out + (c0 + j) * ldo + r0, block[j]);
+      for (int64_t j = 0; j < n; ++j)
+        Store(out + (c0 + j) * ldo + r0, block[j]);
     }
 }
 
