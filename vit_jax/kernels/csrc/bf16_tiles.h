@@ -180,20 +180,22 @@ void SoftmaxGradientToBfloat16(int64_t rows, int64_t padded, float scale,
                                        scale));
   };
   for (int64_t i = 0; i < rows; i += 2) {
-    const bool odd = i + 1 < rows;  // the pair's second row is there
-    const Vec even_dot = row_dot(i), odd_dot = odd ? row_dot(i + 1) : Vec{};
-    uint16_t* even_row = ds_rows + i * row_columns;
+    const bool has_second = i + 1 < rows;  // the pair's second row
+    const Vec first_dot = row_dot(i),
+              second_dot = has_second ? row_dot(i + 1) : Vec{};
+    uint16_t* first_row = ds_rows + i * row_columns;
     for (int64_t j = 0; j < padded; j += 16) {
-      const __m256i even = (__m256i)gradient(i, even_dot, j),
-                    second = odd ? (__m256i)gradient(i + 1, odd_dot, j)
+      const __m256i first = (__m256i)gradient(i, first_dot, j),
+                    second = has_second
+                                 ? (__m256i)gradient(i + 1, second_dot, j)
                                  : _mm256_setzero_si256();
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(even_row + j), even);
-      if (odd)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(first_row + j), first);
+      if (has_second)
         _mm256_storeu_si256(
-            reinterpret_cast<__m256i*>(even_row + row_columns + j), second);
+            reinterpret_cast<__m256i*>(first_row + row_columns + j), second);
       _mm512_storeu_si512(
           ds_pairs + i / 2 * padded + j,
-          _mm512_or_si512(_mm512_cvtepu16_epi32(even),
+          _mm512_or_si512(_mm512_cvtepu16_epi32(first),
                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(second),
                                             16)));
     }
