@@ -14,9 +14,12 @@ r"""Two variants of vit_jax's train step, side by side in one process.
   python benchmarks/step_ab.py --a='{"matmul_implementation": "xla"}'
   python benchmarks/step_ab.py \
       --b_xla_options='{"xla_cpu_prefer_vector_width": 512}'
+  python benchmarks/step_ab.py --model=vit_tiny_cifar --batch=1 \
+      --a_xla_options='{"xla_cpu_experimental_ynn_fusion_type": ""}'
 
 Compiles the train step of benchmarks/throughput.py's vit_jax worker (same
-dims, batch, AdamW, a device per core unless --cpu_devices says otherwise)
+dims, batch unless --batch, AdamW, a device per core unless --cpu_devices
+says otherwise, or the batch does not split over them)
 for two variants of the model, A and B, each a JSON dict of
 `vit.VisionTransformer` fields over those dims, then steps them
 alternately (A B, B A, A B, ...). Fresh processes differ by 8-15% on these
@@ -245,6 +248,9 @@ _XLA_OPTIONS = {variant: flags.DEFINE_string(
 _PAIRS = flags.DEFINE_integer("pairs", 14, "Timed steps of each variant.")
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", -1, "config.cpu_devices: -1 a device per core, 0 one.")
+_BATCH = flags.DEFINE_integer(
+    "batch", None, "The train step's batch in place of the race's (1: one "
+    "image at a time, on one multi-threaded device as the race runs it).")
 
 
 def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
@@ -292,7 +298,7 @@ def compile_variant(fields: dict, softmax: str, kernel_gradient: str,
 def main(argv):
   del argv
   raced = race_workers.MODELS[_MODEL.value]
-  size, batch = raced.image_size, raced.train_batch
+  size, batch = raced.image_size, _BATCH.value or raced.train_batch
   # Before JAX starts its backend (importing it does not).
   host.split_cpu_into_devices(_CPU_DEVICES.value, (batch,))
   mesh = sharding.make_mesh()

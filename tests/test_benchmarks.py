@@ -151,6 +151,21 @@ def test_throughput_inference_worker_counts_the_forward_pass():
   assert forward < measured["flops_per_image"] < 1.1 * forward, measured
 
 
+def test_step_ab_takes_another_batch_and_xla_options():
+  """benchmarks/step_ab.py --batch replaces the race's batch (the line
+  naming the model says so), and a variant's XLA options reach its line."""
+  lines = _run("benchmarks/step_ab.py", "--model=vit_tiny_cifar",
+               "--a={\"num_layers\": 2}", "--b={\"num_layers\": 2}",
+               "--batch=4", "--pairs=1", "--cpu_devices=0",
+               "--a_xla_options={\"xla_cpu_experimental_ynn_fusion_type\": "
+               "\"\"}", env=dict(ONE_DEVICE, VIT_JAX_NO_REEXEC="1"))
+  assert "vit_tiny_cifar, batch 4, 1 device(s)" in lines, lines
+  assert any(line.startswith("A: ") and "ynn_fusion_type" in line
+             for line in lines), lines
+  assert re.fullmatch(r"summary: b_over_a_step=\d+\.\d{3} a_temp_mib=\d+ "
+                      r"b_temp_mib=\d+", lines[-1]), lines[-1]
+
+
 def test_step_ab_compares_two_softmaxes_in_one_process():
   """benchmarks/step_ab.py on a 2-layer vit_tiny_cifar: both variants
   step, the summary line parses, and XLA's scratch shows what
