@@ -199,6 +199,18 @@ def _dense_kind(dot: Instruction, op_name: str, module: HloModule,
   return DENSE_KINDS[2]
 
 
+def _constant_operand(dot: Instruction, module: HloModule
+                      ) -> Optional[Instruction]:
+  """The operand of a dot that XLA makes from constants alone (a constant,
+  or a fusion of no operands), if any."""
+  for name in dot.operands:
+    operand = module.instructions.get(name)
+    if operand and (operand.opcode == "constant" or (
+        operand.opcode == "fusion" and not operand.operands)):
+      return operand
+  return None
+
+
 def _scope_kind(op_name: str) -> str:
   scopes = op_name.split("/")
   if "optimizer" in scopes:
@@ -242,6 +254,9 @@ def classify(instruction: Instruction, module: HloModule,
     return "all-reduce (waiting included)", 0.0
   inner = _fused(instruction, module)
   dots = [i for i in [instruction] + inner if i.opcode == "dot"]
+  constant = _constant_operand(dots[0], module) if dots else None
+  if constant:  # a sum as a product with ones (add_to_every_example's)
+    return _scope_kind(constant.op_name or reader_op_name), 0.0
   if dots:
     kind = _dense_kind(
         dots[0], dots[0].op_name or instruction.op_name or reader_op_name,

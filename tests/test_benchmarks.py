@@ -852,8 +852,8 @@ def test_cpu_profile_tells_each_thunk_kind_apart():
   transposing copy), the weight gradient (two activations), the kernel,
   the all-reduce, the copy, a reduce-window XLA made without a scope (its
   reader's, LayerNorm), the optimizer's update, oneDNN's three products by
-  their custom calls (float32 and bfloat16 operands) and the AdamW kernel;
-  FLOPs 2 x m x n x k."""
+  their custom calls (float32 and bfloat16 operands), the AdamW kernel and
+  a sum written as a product with ones; FLOPs 2 x m x n x k."""
   hlo_kinds = _benchmark_module("hlo_kinds")
   module = hlo_kinds.parse_hlo(_TINY_HLO)
   consumers = hlo_kinds.thunk_consumers(module)
@@ -901,6 +901,17 @@ def test_cpu_profile_tells_each_thunk_kind_apart():
   assert kind("transpose_copy_fusion")[0] == "copies and transposes"
   assert kind("wrapped_reduce-window")[0] == "LayerNorm"
   assert kind("update_fusion")[0] == "optimizer (AdamW, gradient norm)"
+  # A sum over the batch as a product with ones (the position embedding's
+  # gradient, `xla_products.add_to_every_example`): its scope's, no FLOPs.
+  module.instructions["ones"] = hlo_kinds.Instruction(
+      "ones", "f32[8,1]{1,0}", "fusion", (), 'calls=%broadcast_computation, '
+      'metadata={op_name="jit(train_step)/transpose(jvp(VisionTransformer))'
+      '/Transformer/Transformer._add_learned_posemb/broadcast_in_dim"}',
+      False, -1)
+  sum_as_product = module.instructions["dot.3"]._replace(
+      name="dot.4", operands=("ones", "p2"), attributes="")
+  assert hlo_kinds.classify(sum_as_product, module) == (
+      "embedding, head, residual adds", 0.0)
 
 
 def test_cpu_profile_charges_a_devices_waits_to_the_matmuls_it_waits_on():

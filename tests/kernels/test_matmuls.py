@@ -201,8 +201,8 @@ def _bfloat16_model(implementation: str) -> vit.VisionTransformer:
 def test_bfloat16_operands_reach_every_product_of_a_train_step_gradient():
   """In the gradient of a ViT with matmul_dtype=bfloat16 and XLA's
   products, every product of the encoder's Dense layers reads bfloat16 and
-  writes float32 (the head's stays float32), and the parameters and their
-  gradients are float32."""
+  writes float32 (the head's and the position embedding gradient's stay
+  float32), and the parameters and their gradients are float32."""
   model = _bfloat16_model("xla")
   images = jnp.ones((2, 8, 8, 3))
   params = model.init(jax.random.PRNGKey(0), images)["params"]
@@ -212,8 +212,11 @@ def test_bfloat16_operands_reach_every_product_of_a_train_step_gradient():
                     r"tensor<([^>]*)>\) -> tensor<([^>]*)>",
                     grad_fn.lower(params).as_text())
   head = [d for d in dots if "7" in "".join(d).split("x")]
-  encoder = [d for d in dots if d not in head]
+  # The position embedding's gradient: ones (B,) . output_grad, float32.
+  position = [d for d in dots if d[0] == "2xf32"]
+  encoder = [d for d in dots if d not in head + position]
   assert len(head) == 3 and len(encoder) >= 18, dots  # forward + backward
+  assert position == [("2xf32", "2x5x32xf32", "5x32xf32")], dots
   assert all(a.endswith("bf16") and b.endswith("bf16") and out.endswith("f32")
              for a, b, out in encoder), encoder
   grads = grad_fn(params)
@@ -337,6 +340,46 @@ def test_a_bias_gradients_sum_runs_in_ynnpack_not_a_reduce_window():
     np.testing.assert_allclose(compiled(*operands)[0],
                                compile_with(None)(*operands)[0],
                                rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu" or cpu_build.problem() is not None
+    or host.jaxlib_release() not in ("0.10", "0.11", "0.12"),
+    reason="YNNPACK's reductions are vit_jax's options for XLA:CPU with the "
+    "C++ kernels, on jaxlib 0.10-0.12")
+def test_add_to_every_examples_gradient_is_a_product_not_ynnpacks_sum():
+  """x + shared, shared's gradient the sum over the batch: as `x + shared`
+  (the premise) YNNPACK takes that sum under the steps' options, as
+  `add_to_every_example` a product does; the same values and gradients,
+  float32 and bfloat16, with the batch on one device or split over two."""
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(keys[0], (4, 197, 64))
+  shared = jax.random.normal(keys[1], (1, 197, 64))
+  output_grad = jax.random.normal(keys[2], (4, 197, 64))
+  options = xla_products.xla_compiler_options(None)
+
+  def compiled(add, x, shared):
+    def value_and_gradients(x, shared):
+      value, vjp = jax.vjp(lambda a, b: jnp.sin(add(a, b)), x, shared)
+      return value, vjp(jnp.cos(output_grad).astype(value.dtype))
+    return jax.jit(value_and_gradients).lower(x, shared).compile(options)
+
+  ynnpack = '"kind":"__ynn_fusion"'
+  assert ynnpack in compiled(jnp.add, x, shared).as_text()
+  assert ynnpack not in compiled(xla_products.add_to_every_example, x,
+                                 shared).as_text()
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("batch",))
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+  for dtype, tolerance in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
+    operands = (x.astype(dtype), shared.astype(dtype))
+    expected = compiled(jnp.add, *operands)(*operands)
+    for placed in (operands, (jax.device_put(operands[0], split),
+                              operands[1])):
+      chex.assert_trees_all_close(
+          compiled(xla_products.add_to_every_example, *placed)(*placed),
+          expected, rtol=tolerance, atol=tolerance)
+  with pytest.raises(ValueError, match="shared"):
+    xla_products.add_to_every_example(x, x)
 
 
 @pytest.mark.parametrize("key,flags,expected", [

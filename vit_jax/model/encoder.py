@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from vit_jax.kernels import block_runner
+from vit_jax.kernels import block_runner, xla_products
 from vit_jax.model.blocks import Encoder1DBlock
 
 Dtype = Any
@@ -193,7 +193,8 @@ class Encoder(nn.Module):
       prefix_rows = jnp.broadcast_to(pos_embedding[:, :prefix],
                                      (x.shape[0], prefix, hidden_size))
       pos_embedding = jnp.concatenate([prefix_rows, kept], axis=1)
-    return x + pos_embedding.astype(x.dtype)
+      return x + pos_embedding.astype(x.dtype)
+    return xla_products.add_to_every_example(x, pos_embedding.astype(x.dtype))
 
 
 class PositionEmbedding(nn.Module):
