@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vit_jax.kernels import cpu_attention, cpu_build
+from vit_jax.kernels import cpu_attention
 from vit_jax.model import vit
 from vit_jax.runtime import sharding
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from vit_jax.kernels import cpu_build, cpu_gemm, cpu_layer_norm
+from vit_jax.kernels import cpu_build, cpu_layer_norm
 from vit_jax.runtime import sharding
 
 from helpers import split_kernel_calls  # pylint: disable=wrong-import-order
