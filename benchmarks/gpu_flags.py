@@ -102,16 +102,13 @@ def _jax_dense_dot_general(inputs, kernel, dimension_numbers, precision=None,
                              preferred_element_type=preferred_element_type)
 
 
-def _jax_gelu_dot_general(input_bias, approximate=True, operand_dtype=None,
-                          implementation="xla"):
-  """`gelu_matmul.gelu_dot_general` without its backward pass."""
-  def dot_general(inputs, kernel, *args, **kwargs):
-    return _jax_dense_dot_general(
-        nn.gelu(inputs + input_bias.astype(inputs.dtype),
-                approximate=approximate),
-        kernel, *args, operand_dtype=operand_dtype,
-        implementation=implementation, **kwargs)
-  return dot_general
+def _jax_mlp(inputs, kernel0, bias0, kernel1, approximate=True,
+             operand_dtype=None, implementation="xla"):
+  """`gelu_matmul.mlp` without its backward pass."""
+  del implementation
+  assert operand_dtype is None, "a GPU step computes in its dtype"
+  hidden = inputs @ kernel0
+  return nn.gelu(hidden + bias0, approximate=approximate) @ kernel1
 
 
 @contextlib.contextmanager
@@ -119,18 +116,18 @@ def model_paths(variant: Variant):
   """While active (around tracing), the model's Dense layers take the
   variant's matmul gradients ("vit_jax" as they are, or "jax": module
   docstring) and its attention pads for cuDNN or not."""
-  real = (matmuls.dense_dot_general, gelu_matmul.gelu_dot_general,
+  real = (matmuls.dense_dot_general, gelu_matmul.mlp,
           attention.needs_even_tokens)
   if variant.matmul_gradients == "jax":
     matmuls.dense_dot_general = _jax_dense_dot_general
-    gelu_matmul.gelu_dot_general = _jax_gelu_dot_general
+    gelu_matmul.mlp = _jax_mlp
   if not variant.pad_for_cudnn:
     attention.needs_even_tokens = lambda implementation: False
   jax.clear_caches()  # jit caches traced blocks: none may serve across
   try:
     yield
   finally:
-    (matmuls.dense_dot_general, gelu_matmul.gelu_dot_general,
+    (matmuls.dense_dot_general, gelu_matmul.mlp,
      attention.needs_even_tokens) = real
     jax.clear_caches()
 

@@ -1,6 +1,5 @@
 """The MLP's tanh GELU of the first product plus its bias as a C++ kernel
-(`cpu_gelu`), and where
-`gelu_matmul.gelu_dot_general` takes it; the model with it:
+(`cpu_gelu`), and where `gelu_matmul.mlp` takes it; the model with it:
 tests/kernels/test_cpu_gemm.py."""
 
 import re
@@ -101,47 +100,63 @@ def test_under_a_batch_split_mesh_each_device_takes_its_own_rows():
                              atol=1e-4)
 
 
+def _mlp_operands(seed: int, rows_shape: tuple[int, ...], depth: int,
+                  hidden: int, width: int) -> list[np.ndarray]:
+  """inputs (*rows_shape, depth), kernel0 (depth, hidden), bias0 (hidden,),
+  kernel1 (hidden, width): the hidden layer's values spread as _inputs'."""
+  normal = np.random.default_rng(seed).normal
+  return [normal(size=(*rows_shape, depth)).astype(np.float32),
+          (normal(size=(depth, hidden)) * 3 / depth**0.5).astype(np.float32),
+          normal(size=hidden).astype(np.float32),
+          (normal(size=(hidden, width)) / 5).astype(np.float32)]
+
+
+def _mlp_written_out(x, k0, b0, k1, approximate=True, operand_dtype=None):
+  """The MLP by jnp: products of operands rounded to operand_dtype (if
+  given), accumulated in float32; the GELU by jax.nn."""
+  def product(a, b):
+    if operand_dtype is not None:
+      a, b = a.astype(operand_dtype), b.astype(operand_dtype)
+    return jnp.einsum("...k,kn->...n", a, b,
+                      preferred_element_type=jnp.float32)
+  return product(jax.nn.gelu(product(x, k0) + b0, approximate=approximate),
+                 k1)
+
+
 @needs_kernels
 @pytest.mark.parametrize("approximate,operand_dtype,implementation,kernel", [
     (True, None, "onednn", True), (False, None, "onednn", False),
     (True, None, "xla", True), (True, jnp.bfloat16, "xla", True)])
-def test_gelu_dot_general_takes_the_kernel_for_the_tanh_gelu(
+def test_mlp_takes_the_kernel_for_the_tanh_gelu(
     approximate, operand_dtype, implementation, kernel):
   """Under differentiation the tanh GELU of float32 inputs runs in the
   kernel, forward and backward, whichever the products (oneDNN's, XLA's,
   with bfloat16 operands); the exact (erf) GELU keeps XLA's. Without it
-  (inference) XLA's, which fuses with its neighbours: the same values."""
+  (inference) XLA's, which fuses with its neighbours: the same values and
+  gradients as the layers written out."""
   if implementation == "onednn" and cpu_gemm.problem() is not None:
     pytest.skip(f"the oneDNN products cannot run: {cpu_gemm.problem()}")
-  normal = np.random.default_rng(4).normal
-  x = normal(size=(2, 30, 24)).astype(np.float32) * 3
-  bias = normal(size=24).astype(np.float32)
-  weights = normal(size=(24, 16)).astype(np.float32) / 5
-  numbers = (((2,), (0,)), ((), ()))
+  operands = _mlp_operands(4, (2, 30), 20, 24, 16)
 
-  def product(x, b, w):
-    dot_general = gelu_matmul.gelu_dot_general(b, approximate,
-                                               operand_dtype, implementation)
-    return dot_general(x, w, numbers)
+  def mlp(*operands):
+    return gelu_matmul.mlp(*operands, approximate, operand_dtype,
+                           implementation)
 
-  loss = jax.jit(jax.grad(lambda x, b, w: jnp.sum(jnp.sin(product(x, b, w))),
-                          argnums=(0, 1, 2)))
-  program = loss.lower(x, bias, weights).as_text()
+  gradient = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))),
+                                argnums=(0, 1, 2, 3))
+  loss = jax.jit(gradient(mlp))
+  program = loss.lower(*operands).as_text()
   assert (("VitGelu" in program) and ("VitGeluBackward" in program)) == kernel
-  reference = jax.grad(lambda x, b, w: jnp.sum(jnp.sin(jnp.einsum(
-      "brk,kn->brn", jax.nn.gelu(x + b, approximate=approximate), w))),
-                       argnums=(0, 1, 2))
+  reference = gradient(lambda *a: _mlp_written_out(*a, approximate,
+                                                   operand_dtype))
   tolerance = 1e-4 if operand_dtype is None else 2e-2  # bfloat16 operands
-  for result, expected in zip(loss(x, bias, weights),
-                              reference(x, bias, weights)):
+  for result, expected in zip(loss(*operands), reference(*operands)):
     np.testing.assert_allclose(result, expected, rtol=tolerance,
                                atol=tolerance * np.abs(expected).max())
-  inference = jax.jit(product)
-  assert "VitGelu" not in inference.lower(x, bias, weights).as_text()
-  expected = jnp.einsum("brk,kn->brn",
-                        jax.nn.gelu(x + bias, approximate=approximate),
-                        weights)
-  np.testing.assert_allclose(inference(x, bias, weights), expected,
+  inference = jax.jit(mlp)
+  assert "VitGelu" not in inference.lower(*operands).as_text()
+  expected = _mlp_written_out(*operands, approximate, operand_dtype)
+  np.testing.assert_allclose(inference(*operands), expected,
                              rtol=tolerance,
                              atol=tolerance * np.abs(expected).max())
 
@@ -151,8 +166,9 @@ def test_gelu_dot_general_takes_the_kernel_for_the_tanh_gelu(
 def test_bfloat16_activations_are_the_float32_ones_rounded(shape):
   """With activations_dtype=bfloat16 the kernel's activations, forward and
   backward, are its float32 ones as XLA rounds them (to nearest, ties to
-  even), in whole vectors and in a row's last part (17 columns); the other
-  results are unchanged. NaN and infinities stay so; results below
+  even), in whole vectors and in a row's last part (17 columns), and so is
+  the backward pass's gradient with gradient_dtype=bfloat16; the other
+  results are unchanged (the bias's gradient sums the unrounded one). NaN and infinities stay so; results below
   float32's smallest normal (GELU(+-2e-38) = +-1e-38) are zeros in both, as
   XLA:CPU flushes denormals to zero (the kernel's AVX512_BF16 rounding
   does too)."""
@@ -169,51 +185,52 @@ def test_bfloat16_activations_are_the_float32_ones_rounded(shape):
   np.testing.assert_array_equal(result.astype(np.float32),
                                 expected.astype(np.float32))
   assert np.all(result.reshape(-1)[2:4].astype(np.float32) == 0)
-  backward = jax.jit(cpu_gelu.gelu_and_gradient, static_argnums=3)
-  ours = backward(h, bias, grad, jnp.bfloat16)
-  reference = backward(h, bias, grad, jnp.float32)
-  np.testing.assert_array_equal(np.asarray(ours[0]).astype(np.float32),
-                                rounded(reference[0]).astype(np.float32))
-  for result, expected in zip(ours[1:], reference[1:]):
-    np.testing.assert_array_equal(result, expected)
+  backward = jax.jit(cpu_gelu.gelu_and_gradient, static_argnums=(3, 4))
+  reference = backward(h, bias, grad, jnp.float32, jnp.float32)
+  for gradient_dtype in (jnp.float32, jnp.bfloat16):
+    ours = backward(h, bias, grad, jnp.bfloat16, gradient_dtype)
+    assert [a.dtype for a in ours] == [jnp.bfloat16, gradient_dtype,
+                                       jnp.float32]
+    for index in (0, 1) if gradient_dtype == jnp.bfloat16 else (0,):
+      np.testing.assert_array_equal(
+          np.asarray(ours[index]).astype(np.float32),
+          rounded(reference[index]).astype(np.float32))
+    if gradient_dtype == jnp.float32:
+      np.testing.assert_array_equal(ours[1], reference[1])
+    # The bias's gradient sums the unrounded gradient.
+    np.testing.assert_array_equal(ours[2], reference[2])
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows,backward_target", [
-    (64, "VitGeluBackwardBf16"), (7, "VitGeluBackward")])
-def test_bfloat16_products_read_the_kernels_rounded_activations(
-    rows, backward_target):
+@pytest.mark.parametrize("rows,implementation,backward_target", [
+    (64, "xla", "VitGeluBackwardBf16"), (7, "xla", "VitGeluBackward"),
+    pytest.param(64, "onednn", "VitGeluBackwardRounded",
+                 marks=pytest.mark.skipif(
+                     cpu_gemm.problem() is not None
+                     or cpu_gemm.bfloat16_problem() is not None,
+                     reason="bfloat16 operands do not take oneDNN's "
+                     "products on this CPU"))])
+def test_bfloat16_products_read_the_kernels_rounded_results(
+    rows, implementation, backward_target):
   """With bfloat16 products the forward kernel returns the activations in
-  bfloat16, which the second product reads; the backward kernel does too
-  where the weight gradient's YNNPACK product reads them unchanged (rows
-  in several groups: 64 on the suite's 8 devices), and in float32 where
-  they are its transposed operand (7 rows, one group). The values are
-  those of the products on XLA's rounding of float32 activations."""
-  normal = np.random.default_rng(8).normal
-  x = normal(size=(rows, 48)).astype(np.float32) * 3
-  bias = normal(size=48).astype(np.float32)
-  weights = normal(size=(48, 16)).astype(np.float32) / 5
-  numbers = (((1,), (0,)), ((), ()))
-
-  def loss(x, b, w, gelu_dot_general):
-    return jnp.sum(jnp.sin(gelu_dot_general(b, True, jnp.bfloat16, "xla")(
-        x, w, numbers)))
-
-  def rounded_after_xla(b, approximate, operand_dtype, implementation):
-    """The same products, on XLA's GELU rounded by XLA."""
-    del implementation
-    return lambda x, w, dims: jax.lax.dot_general(
-        jax.nn.gelu(x + b, approximate=approximate).astype(operand_dtype),
-        w.astype(operand_dtype), dims, preferred_element_type=jnp.float32)
-
-  gradient = jax.jit(jax.grad(
-      lambda *a: loss(*a, gelu_matmul.gelu_dot_general), argnums=(0, 1, 2)))
-  program = gradient.lower(x, bias, weights).as_text()
+  bfloat16, which the second product reads. The backward kernel does too
+  where the weight gradient's product reads them unchanged: XLA's YNNPACK
+  product with rows in several groups (64 on the suite's 8 devices),
+  oneDNN's always; in float32 where they are YNNPACK's transposed operand
+  (7 rows, one group). With oneDNN's products it rounds the hidden layer's
+  gradient as well, which both of the first product's gradients read.
+  The values are those of the layers written out, the products on
+  operands XLA rounds."""
+  operands = _mlp_operands(8, (rows,), 24, 48, 16)
+  gradient = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))),
+                                argnums=(0, 1, 2, 3))
+  ours = jax.jit(gradient(lambda *a: gelu_matmul.mlp(
+      *a, True, jnp.bfloat16, implementation)))
+  program = ours.lower(*operands).as_text()
   assert "VitGeluBf16" in program
   assert re.search(rf"{backward_target}\b", program)
-  reference = jax.grad(lambda *a: loss(*a, rounded_after_xla),
-                       argnums=(0, 1, 2))(x, bias, weights)
-  for result, expected in zip(gradient(x, bias, weights), reference):
+  reference = gradient(lambda *a: _mlp_written_out(*a, True, jnp.bfloat16))
+  for result, expected in zip(ours(*operands), reference(*operands)):
     np.testing.assert_allclose(result, expected, rtol=2e-2,
                                atol=2e-2 * np.abs(expected).max())
 
@@ -227,3 +244,6 @@ def test_wrong_operands_are_named():
     cpu_gelu.gelu(jnp.ones((2, 3)), jnp.ones(4))  # the bias's length
   with pytest.raises(ValueError, match=r"bfloat16\[2, 3\]"):
     cpu_gelu.gelu(jnp.ones((2, 3), jnp.bfloat16), jnp.ones(3))
+  with pytest.raises(ValueError, match="not float32 and bfloat16"):
+    cpu_gelu.gelu_and_gradient(jnp.ones((2, 3)), jnp.ones(3),
+                               jnp.ones((2, 3)), jnp.float32, jnp.bfloat16)

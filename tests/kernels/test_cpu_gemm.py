@@ -113,31 +113,38 @@ def test_wrong_operands_are_named():
     None, pytest.param(jnp.bfloat16, marks=needs_bfloat16_gemm)])
 def test_dense_products_match_xlas_values_and_gradients(
     input_shape, kernel_shape, axes, operand_dtype):
-  """Plain and GELU-first Dense products, values and both gradients, in
+  """Dense products and (over one axis) the MLP's two with the GELU
+  between them (`gelu_matmul.mlp`), values and every operand's gradient, in
   oneDNN as in XLA's products; with bfloat16 operands both round every
   product's operands (XLA's then accumulate in another order)."""
   x, kernel = _normal(3, *input_shape), _normal(4, *kernel_shape)
-  bias = _normal(5, *kernel_shape[:axes])  # the GELU's input's
   numbers = ((tuple(range(x.ndim - axes, x.ndim)), tuple(range(axes))),
              ((), ()))
-  for make in (lambda impl: functools.partial(
-                   matmuls.dense_dot_general, implementation=impl,
-                   operand_dtype=operand_dtype),
-               lambda impl: gelu_matmul.gelu_dot_general(
-                   bias, implementation=impl, operand_dtype=operand_dtype)):
-    def loss(x, kernel, impl, make=make):
-      y = make(impl)(x, kernel, numbers)
+  depth = x.shape[-1]
+  layers = {"dense": ((x, kernel), lambda impl, x, kernel:
+                      matmuls.dense_dot_general(
+                          x, kernel, numbers, implementation=impl,
+                          operand_dtype=operand_dtype))}
+  if axes == 1:  # the MLP's first layer (depth, depth), its bias, the second
+    first = _normal(5, depth, depth) / depth**0.5
+    layers["mlp"] = ((x, first, _normal(6, depth), kernel),
+                     lambda impl, *operands: gelu_matmul.mlp(
+                         *operands, implementation=impl,
+                         operand_dtype=operand_dtype))
+  for name, (operands, layer) in layers.items():
+    def loss(operands, impl, layer=layer):
+      y = layer(impl, *operands)
       return (jnp.sin(y) * y).sum(), y
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True),
-                   static_argnums=2)
-    (dx, dk), y = grad(x, kernel, "onednn")
-    (dx_ref, dk_ref), y_ref = grad(x, kernel, "xla")
+    grad = jax.jit(jax.grad(loss, has_aux=True), static_argnums=1)
+    gradients, y = grad(operands, "onednn")
+    expected_gradients, y_ref = grad(operands, "xla")
     # bfloat16: an operand rounded on one side of a tie, 2^-8 relative.
     tolerance = 1e-5 if operand_dtype is None else 1e-2
-    for result, expected in ((y, y_ref), (dx, dx_ref), (dk, dk_ref)):
+    for result, expected in zip((y, *gradients), (y_ref, *expected_gradients)):
       assert result.shape == expected.shape and result.dtype == expected.dtype
       np.testing.assert_allclose(result, expected, rtol=10 * tolerance,
-                                 atol=tolerance * np.abs(expected).max())
+                                 atol=tolerance * np.abs(expected).max(),
+                                 err_msg=name)
 
 
 @needs_onednn

@@ -159,17 +159,22 @@ def test_bfloat16_operands_give_float32_products_of_the_rounded_operands(
   """Every product of a Dense layer with operand_dtype=bfloat16, forward
   and backward, equals the float64 product of its operands rounded to
   bfloat16 (float32 accumulation: ~1e-6 relative), and differs from the
-  float32 layer by bfloat16's rounding."""
+  float32 layer by bfloat16's rounding; so do the MLP's second product's
+  (`gelu_matmul.mlp`, its first layer the identity)."""
   rng = np.random.default_rng(0)
   x = rng.normal(size=(96, 48)).astype(np.float32)
   kernel = rng.normal(size=(48, 80)).astype(np.float32) / 7
   weights = rng.normal(size=(96, 80)).astype(np.float32)  # loss = <w, y>
   bias = rng.normal(size=48).astype(np.float32)  # the GELU's input's
   dims = (((1,), (0,)), ((), ()))
-  dot = (gelu_matmul.gelu_dot_general(bias, operand_dtype=jnp.bfloat16)
-         if with_gelu
-         else functools.partial(matmuls.dense_dot_general,
-                                operand_dtype=jnp.bfloat16))
+  if with_gelu:  # the MLP, its first layer the identity: exact on x
+    x = _rounded(x).astype(np.float32)  # in bfloat16
+    identity = np.eye(48, dtype=np.float32)
+    dot = lambda x, k, dims: gelu_matmul.mlp(x, identity, bias, k,
+                                             operand_dtype=jnp.bfloat16)
+  else:
+    dot = functools.partial(matmuls.dense_dot_general,
+                            operand_dtype=jnp.bfloat16)
   loss = lambda x, k: jnp.sum(dot(x, k, dims) * weights)
   out = jax.jit(lambda x, k: dot(x, k, dims))(x, kernel)
   x_grad, kernel_grad = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, kernel)
@@ -183,10 +188,13 @@ def test_bfloat16_operands_give_float32_products_of_the_rounded_operands(
   np.testing.assert_allclose(kernel_grad, _rounded(act).T @ _rounded(weights),
                              rtol=2e-5, atol=2e-4)
   act_grad = _rounded(weights) @ _rounded(kernel).T
-  if with_gelu:  # the chain rule through the GELU, in float32
+  tolerance = 2e-5
+  if with_gelu:  # the chain rule through the GELU, in float32, and then
+    # the identity's product of that rounded to bfloat16
     _, gelu_vjp = jax.vjp(nn.gelu, jnp.asarray(x + bias))
     act_grad = np.asarray(gelu_vjp(jnp.asarray(act_grad, jnp.float32))[0])
-  np.testing.assert_allclose(x_grad, act_grad, rtol=2e-5, atol=2e-4)
+    tolerance = 2.0**-8
+  np.testing.assert_allclose(x_grad, act_grad, rtol=tolerance, atol=2e-4)
   exact = act @ kernel.astype(np.float64)
   assert 1e-4 < np.max(np.abs(out - exact)) / np.max(np.abs(exact)) < 2e-2
 

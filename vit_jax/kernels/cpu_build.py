@@ -64,7 +64,8 @@ TARGETS = (*(f"VitAttention{family}{handler}{suffix}"
            "VitTransposeToBfloat16", "VitGemm", "VitGemmTransposedRight",
            "VitGemmOverRows", "VitGemmBf16", "VitGemmTransposedRightBf16",
            "VitGemmOverRowsBf16", "VitLayerNormForward", "VitLayerNormBackward",
-           "VitGelu", "VitGeluBackward", "VitGeluBf16", "VitGeluBackwardBf16")
+           "VitGelu", "VitGeluBackward", "VitGeluBf16", "VitGeluBackwardBf16",
+           "VitGeluBackwardRounded")
 # Kernels on whole (replicated) operands, not split over a batch axis.
 REPLICATED_TARGETS = ("VitAdamW", "VitSumOfSquares")
 

@@ -142,13 +142,14 @@ def matmul_gradients(inputs, kernel, output_grad, num_contracted, precision,
                      operand_dtype, implementation):
   """(inputs' gradient, kernel's gradient) of the matmul of inputs
   (..., *K) and kernel (*K, *N), len(K) = num_contracted, given
-  output_grad (..., *N)."""
+  output_grad (..., *N) (in operand_dtype already, or float32)."""
   depth = int(np.prod(kernel.shape[:num_contracted]))
   width = int(np.prod(kernel.shape[num_contracted:]))
   if implementation == "onednn":
     grouped = grouped_rows(inputs, num_contracted)
-    output_grad = output_grad.astype(inputs.dtype).reshape(
-        grouped.shape[:2] + (width,))
+    if output_grad.dtype != operand_dtype:  # else rounded as the gemms read it
+      output_grad = output_grad.astype(inputs.dtype)
+    output_grad = output_grad.reshape(grouped.shape[:2] + (width,))
     kernel_2d = kernel.reshape(depth, width).astype(inputs.dtype)
     inputs_grad = cpu_gemm.rows_times_transposed(output_grad, kernel_2d,
                                                  operand_dtype)

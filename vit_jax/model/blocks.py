@@ -22,36 +22,32 @@ def _split(key: Optional[jax.Array], num: int) -> list[Optional[jax.Array]]:
   return [None] * num if key is None else list(jax.random.split(key, num))
 
 
-class DenseBiasDeferred(nn.Dense):
-  """nn.Dense that returns (x W, b), deferring b's addition to the next op
-  (the GELU kernel adds it in a pass it makes anyway): the same parameters
-  (names, shapes, initialisers) as nn.Dense."""
+class DenseParameters(nn.Module):
+  """nn.Dense's parameters (names, shapes, initialisers: those of the
+  official checkpoints) without its product, for a function that takes
+  several layers' at once (`gelu_matmul.mlp`): in_features -> (kernel
+  (in_features, features), bias (features,))."""
+  features: int
+  param_dtype: Dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
-    kernel = self.param("kernel", self.kernel_init,
-                        (jnp.shape(inputs)[-1], self.features),
-                        self.param_dtype)
-    bias = self.param("bias", self.bias_init, (self.features,),
-                      self.param_dtype)
-    inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias,
-                                                   dtype=self.dtype)
-    dot_general = self.dot_general or jax.lax.dot_general
-    product = dot_general(inputs, kernel,
-                          (((inputs.ndim - 1,), (0,)), ((), ())),
-                          precision=self.precision)
-    return product, bias
+  def __call__(self, in_features: int) -> tuple[jax.Array, jax.Array]:
+    kernel = self.param("kernel", nn.initializers.xavier_uniform(),
+                        (in_features, self.features), self.param_dtype)
+    bias = self.param("bias", nn.initializers.normal(stddev=1e-6),
+                      (self.features,), self.param_dtype)
+    return kernel, bias
 
 
 class MlpBlock(nn.Module):
   """Dense -> GELU -> dropout -> Dense -> dropout. (..., D) -> (..., D).
 
-  Without dropout between them (rate 0, or at evaluation) the first
-  Dense's bias add and the GELU run inside the second Dense's
-  `gelu_matmul.gelu_dot_general`, which recomputes them in the backward pass
-  instead of storing the activations (the same values, less memory) and,
-  in the CPU's GELU kernel, adds the bias and sums its gradient in its own
-  passes.
+  Without dropout between them (rate 0, or at evaluation) the two Dense
+  layers and the GELU run as one function, `gelu_matmul.mlp`, which
+  recomputes the GELU in the backward pass instead of storing the
+  activations (the same values, less memory) and, in the CPU's GELU
+  kernel, adds the first layer's bias and sums its gradient in its own
+  passes. The parameters are nn.Dense's either way (`Dense_0`, `Dense_1`).
   """
   mlp_dim: int
   dropout_rate: float = 0.0
@@ -68,23 +64,24 @@ class MlpBlock(nn.Module):
     hidden_key, out_key = _split(dropout_key, 2)
     products = matmuls.resolve_implementation(
         self.matmul_implementation, self.dtype, self.matmul_dtype)
-    dense_dot_general = functools.partial(
-        matmuls.dense_dot_general, operand_dtype=self.matmul_dtype,
-        implementation=products)
-
-    def dense(features, name, dot_general=dense_dot_general, module=nn.Dense):
-      return module(features, dtype=self.dtype, param_dtype=self.param_dtype,
-                    kernel_init=nn.initializers.xavier_uniform(),
-                    bias_init=nn.initializers.normal(stddev=1e-6),
-                    dot_general=dot_general, name=name)
-
     if deterministic or self.dropout_rate == 0.0:
-      x, hidden_bias = dense(self.mlp_dim, "Dense_0",
-                             module=DenseBiasDeferred)(x)
-      x = dense(out_dim, "Dense_1", gelu_matmul.gelu_dot_general(
-          hidden_bias, self.approximate_gelu, self.matmul_dtype,
-          products))(x)
+      kernel0, bias0 = DenseParameters(self.mlp_dim, self.param_dtype,
+                                       name="Dense_0")(out_dim)
+      kernel1, bias1 = DenseParameters(out_dim, self.param_dtype,
+                                       name="Dense_1")(self.mlp_dim)
+      x, kernel0, bias0, kernel1, bias1 = nn.dtypes.promote_dtype(
+          x, kernel0, bias0, kernel1, bias1, dtype=self.dtype)
+      x = gelu_matmul.mlp(x, kernel0, bias0, kernel1, self.approximate_gelu,
+                          self.matmul_dtype, products) + bias1
     else:
+      dense_dot_general = functools.partial(
+          matmuls.dense_dot_general, operand_dtype=self.matmul_dtype,
+          implementation=products)
+      dense = lambda features, name: nn.Dense(
+          features, dtype=self.dtype, param_dtype=self.param_dtype,
+          kernel_init=nn.initializers.xavier_uniform(),
+          bias_init=nn.initializers.normal(stddev=1e-6),
+          dot_general=dense_dot_general, name=name)
       x = dense(self.mlp_dim, "Dense_0")(x)
       x = nn.gelu(x, approximate=self.approximate_gelu)
       x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic,

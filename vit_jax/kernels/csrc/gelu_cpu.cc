@@ -8,10 +8,12 @@
 //   VitGelu          h, b -> gelu(h + b)
 //   VitGeluBackward  h, b, da -> gelu(h + b), da * gelu'(h + b), and the
 //                    bias's gradient (G, n): the column sums of the second
-//                    in each group
+//                    (unrounded) in each group
 // VitGeluBf16 and VitGeluBackwardBf16 return gelu(h + b) rounded to
 // bfloat16, for products that read it so: XLA's rounding would be a pass
-// of its own over the activations.
+// of its own over the activations. VitGeluBackwardRounded returns
+// da * gelu'(h + b) rounded to bfloat16 as well, for the first product's
+// gradients where both read it so.
 // gelu(x) = x / 2 (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), as
 // jax.nn.gelu(approximate=True) defines it, computed as x / (1 + exp(-2u)).
 // The backward pass returns the activations too: the weight gradient of
@@ -81,12 +83,12 @@ inline void GeluAndGradient(Vec h, Vec da, Vec* a, Vec* dh) {
                       (1.0f + 3.0f * kCubic * h2));
 }
 
-// The activations' element: float32, or bfloat16's bits.
-template <ffi::DataType kActivations>
-using ActivationsOf =
-    std::conditional_t<kActivations == ffi::DataType::BF16, uint16_t, float>;
+// A result's element: float32, or bfloat16's bits.
+template <ffi::DataType kType>
+using ElementOf =
+    std::conditional_t<kType == ffi::DataType::BF16, uint16_t, float>;
 
-inline void StoreActivations(float* p, Vec v, int64_t count) {
+inline void StoreResult(float* p, Vec v, int64_t count) {
   StorePart(p, v, count);
 }
 // Rounded to bfloat16. With AVX512_BF16, by its instruction (vcvtneps2bf16)
@@ -96,7 +98,7 @@ inline void StoreActivations(float* p, Vec v, int64_t count) {
 // instruction flushes denormals to zero, and XLA:CPU runs its programs,
 // this kernel included, with denormals flushed to zero already (a GELU of
 // 1e-38 is 0 in float32 too).
-inline void StoreActivations(uint16_t* p, Vec v, int64_t count) {
+inline void StoreResult(uint16_t* p, Vec v, int64_t count) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   const __m256i rounded = (__m256i)_mm512_cvtneps_pbh((__m512)v);
   if (count == kLanes) {
@@ -153,26 +155,26 @@ ffi::Error GeluForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
       error.failure())
     return error;
   const float *hp = h.typed_data(), *bp = bias.typed_data();
-  auto* ap = reinterpret_cast<ActivationsOf<kActivations>*>(a->typed_data());
+  auto* ap = reinterpret_cast<ElementOf<kActivations>*>(a->typed_data());
   ForEachBlock(pool, s.groups, Blocks(s.rows, tasks, 1),
                [=](int64_t g, int64_t start, int64_t length) {
                  const float* b = bp + g * s.n;
                  ForEachVector(s, g, start, length,
                                [=](int64_t i, int64_t c, int64_t count) {
-                   StoreActivations(ap + i,
-                                    Gelu(LoadPart(hp + i, count) +
-                                         LoadPart(b + c, count)),
-                                    count);
+                   StoreResult(ap + i,
+                               Gelu(LoadPart(hp + i, count) +
+                                    LoadPart(b + c, count)),
+                               count);
                  });
                });
   return ffi::Error::Success();
 }
 
-template <ffi::DataType kActivations>
+template <ffi::DataType kActivations, ffi::DataType kGradient>
 ffi::Error GeluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
                         ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> da,
                         ffi::ResultBuffer<kActivations> a,
-                        ffi::ResultBuffer<ffi::F32> dh,
+                        ffi::ResultBuffer<kGradient> dh,
                         ffi::ResultBuffer<ffi::F32> dbias, int64_t tasks) {
   GeluShape s;
   if (ffi::Error error = CheckShape(h, bias, da.element_count(), &s);
@@ -180,8 +182,8 @@ ffi::Error GeluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
     return error;
   const float *hp = h.typed_data(), *bp = bias.typed_data(),
               *dap = da.typed_data();
-  auto* ap = reinterpret_cast<ActivationsOf<kActivations>*>(a->typed_data());
-  float* dhp = dh->typed_data();
+  auto* ap = reinterpret_cast<ElementOf<kActivations>*>(a->typed_data());
+  auto* dhp = reinterpret_cast<ElementOf<kGradient>*>(dh->typed_data());
   const Blocks blocks(s.rows, tasks, 1);
   // Each block's column sums, added up per group once all have run.
   std::vector<float> sums(s.groups * blocks.count() * s.n, 0.0f);
@@ -197,8 +199,8 @@ ffi::Error GeluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
                    GeluAndGradient(
                        LoadPart(hp + i, count) + LoadPart(b + c, count),
                        LoadPart(dap + i, count), &activations, &gradient);
-                   StoreActivations(ap + i, activations, count);
-                   StorePart(dhp + i, gradient, count);
+                   StoreResult(ap + i, activations, count);
+                   StoreResult(dhp + i, gradient, count);
                    StorePart(sum + c, LoadPart(sum + c, count) + gradient,
                              count);
                  });
@@ -217,7 +219,23 @@ ffi::Error GeluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
 
 }  // namespace
 
-// The forward and backward handlers whose activations are `ACTIVATIONS`.
+// The backward handler NAME, whose activations are `ACTIVATIONS` and the
+// GELU's input's gradient `GRADIENT`.
+#define VIT_GELU_BACKWARD_HANDLER(NAME, ACTIVATIONS, GRADIENT)         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                       \
+      NAME, (GeluBackward<ACTIVATIONS, GRADIENT>),                     \
+      ffi::Ffi::Bind()                                                 \
+          .Ctx<ffi::ThreadPool>()                                      \
+          .Arg<ffi::Buffer<ffi::F32>>() /* h */                        \
+          .Arg<ffi::Buffer<ffi::F32>>() /* b */                        \
+          .Arg<ffi::Buffer<ffi::F32>>() /* da */                       \
+          .Ret<ffi::Buffer<ACTIVATIONS>>() /* a */                     \
+          .Ret<ffi::Buffer<GRADIENT>>() /* dh */                       \
+          .Ret<ffi::Buffer<ffi::F32>>() /* db */                       \
+          .Attr<int64_t>("tasks"))
+
+// The forward and backward handlers whose activations are `ACTIVATIONS`
+// (the gradient float32).
 #define VIT_GELU_HANDLERS(SUFFIX, ACTIVATIONS)                               \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(VitGelu##SUFFIX, GeluForward<ACTIVATIONS>,   \
                                 ffi::Ffi::Bind()                             \
@@ -226,17 +244,8 @@ ffi::Error GeluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
                                     .Arg<ffi::Buffer<ffi::F32>>() /* b */    \
                                     .Ret<ffi::Buffer<ACTIVATIONS>>()         \
                                     .Attr<int64_t>("tasks"));                \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                             \
-      VitGeluBackward##SUFFIX, GeluBackward<ACTIVATIONS>,                    \
-      ffi::Ffi::Bind()                                                       \
-          .Ctx<ffi::ThreadPool>()                                            \
-          .Arg<ffi::Buffer<ffi::F32>>() /* h */                              \
-          .Arg<ffi::Buffer<ffi::F32>>() /* b */                              \
-          .Arg<ffi::Buffer<ffi::F32>>() /* da */                             \
-          .Ret<ffi::Buffer<ACTIVATIONS>>() /* a */                           \
-          .Ret<ffi::Buffer<ffi::F32>>() /* dh */                             \
-          .Ret<ffi::Buffer<ffi::F32>>() /* db */                             \
-          .Attr<int64_t>("tasks"))
+  VIT_GELU_BACKWARD_HANDLER(VitGeluBackward##SUFFIX, ACTIVATIONS, ffi::F32)
 
 VIT_GELU_HANDLERS(, ffi::F32);
 VIT_GELU_HANDLERS(Bf16, ffi::BF16);
+VIT_GELU_BACKWARD_HANDLER(VitGeluBackwardRounded, ffi::BF16, ffi::BF16);
