@@ -393,6 +393,22 @@ def test_mlp_recomputes_its_gelu_for_the_backward_pass(approximate_gelu):
   assert scratch[False] <= scratch[True] - len(params) * wide_bytes, scratch
 
 
+def test_mlp_parameters_are_those_of_nn_dense():
+  """Without dropout MlpBlock takes its parameters from `DenseParameters`
+  (for `gelu_matmul.mlp`), with dropout from nn.Dense: the same names,
+  shapes and initial values from the same key."""
+  x = jnp.ones((4, 64))
+  fused = blocks.MlpBlock(mlp_dim=256).init(jax.random.PRNGKey(0), x,
+                                            deterministic=True)
+  dense = blocks.MlpBlock(mlp_dim=256, dropout_rate=0.1).init(
+      {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}, x,
+      deterministic=False)
+  assert jax.tree.map(jnp.shape, fused) == {"params": {
+      "Dense_0": {"kernel": (64, 256), "bias": (256,)},
+      "Dense_1": {"kernel": (256, 64), "bias": (64,)}}}
+  chex.assert_trees_all_equal(fused, dense)
+
+
 def test_remat_blocks_alone_recomputes_in_the_backward_pass():
   """remat_blocks without scan: the same gradients, and XLA's compiled
   scratch keeps no block's activations from the forward pass (with
