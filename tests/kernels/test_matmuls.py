@@ -319,11 +319,14 @@ def test_xla_compiler_options_turn_on_ynnpack_dots_only_for_bfloat16():
                              rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(
+needs_ynnpack_reductions = pytest.mark.skipif(
     jax.default_backend() != "cpu" or cpu_build.problem() is not None
     or host.jaxlib_release() not in ("0.10", "0.11", "0.12"),
     reason="YNNPACK's reductions are vit_jax's options for XLA:CPU with the "
     "C++ kernels, on jaxlib 0.10-0.12")
+
+
+@needs_ynnpack_reductions
 def test_a_bias_gradients_sum_runs_in_ynnpack_not_a_reduce_window():
   """A Dense bias's gradient over (batch, tokens), summed beside another
   use of the output gradient as in the train step: with vit_jax's process
@@ -350,11 +353,7 @@ def test_a_bias_gradients_sum_runs_in_ynnpack_not_a_reduce_window():
                                rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.skipif(
-    jax.default_backend() != "cpu" or cpu_build.problem() is not None
-    or host.jaxlib_release() not in ("0.10", "0.11", "0.12"),
-    reason="YNNPACK's reductions are vit_jax's options for XLA:CPU with the "
-    "C++ kernels, on jaxlib 0.10-0.12")
+@needs_ynnpack_reductions
 def test_add_to_every_examples_gradient_is_a_product_not_ynnpacks_sum():
   """x + shared, shared's gradient the sum over the batch: as `x + shared`
   (the premise) YNNPACK takes that sum under the steps' options, as
