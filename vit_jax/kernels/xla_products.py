@@ -13,7 +13,7 @@
   sums over the batch as a product, not a reduction YNNPACK would take.
 
 `matmuls` (the Dense layers' `dot_general` and its backward pass) and
-`gelu_matmul` (the MLP's second Dense with its GELU) are made of these.
+`gelu_matmul` (the MLP's two Dense layers and its GELU) are made of these.
 """
 
 import math

@@ -22,20 +22,25 @@ def _split(key: Optional[jax.Array], num: int) -> list[Optional[jax.Array]]:
   return [None] * num if key is None else list(jax.random.split(key, num))
 
 
+# The MLP's Dense layers' initialisers (the official implementation's).
+_KERNEL_INIT = nn.initializers.xavier_uniform()
+_BIAS_INIT = nn.initializers.normal(stddev=1e-6)
+
+
 class DenseParameters(nn.Module):
-  """nn.Dense's parameters (names, shapes, initialisers: those of the
-  official checkpoints) without its product, for a function that takes
-  several layers' at once (`gelu_matmul.mlp`): in_features -> (kernel
-  (in_features, features), bias (features,))."""
+  """The parameters an MLP layer's nn.Dense makes (the official
+  checkpoints' names and shapes, the MLP's initialisers) without its
+  product, for a function that takes several layers' at once
+  (`gelu_matmul.mlp`): in_features -> (kernel (in_features, features),
+  bias (features,))."""
   features: int
   param_dtype: Dtype = jnp.float32
 
   @nn.compact
   def __call__(self, in_features: int) -> tuple[jax.Array, jax.Array]:
-    kernel = self.param("kernel", nn.initializers.xavier_uniform(),
-                        (in_features, self.features), self.param_dtype)
-    bias = self.param("bias", nn.initializers.normal(stddev=1e-6),
-                      (self.features,), self.param_dtype)
+    kernel = self.param("kernel", _KERNEL_INIT, (in_features, self.features),
+                        self.param_dtype)
+    bias = self.param("bias", _BIAS_INIT, (self.features,), self.param_dtype)
     return kernel, bias
 
 
@@ -79,8 +84,7 @@ class MlpBlock(nn.Module):
           implementation=products)
       dense = lambda features, name: nn.Dense(
           features, dtype=self.dtype, param_dtype=self.param_dtype,
-          kernel_init=nn.initializers.xavier_uniform(),
-          bias_init=nn.initializers.normal(stddev=1e-6),
+          kernel_init=_KERNEL_INIT, bias_init=_BIAS_INIT,
           dot_general=dense_dot_general, name=name)
       x = dense(self.mlp_dim, "Dense_0")(x)
       x = nn.gelu(x, approximate=self.approximate_gelu)

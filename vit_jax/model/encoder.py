@@ -194,6 +194,7 @@ class Encoder(nn.Module):
                                      (x.shape[0], prefix, hidden_size))
       pos_embedding = jnp.concatenate([prefix_rows, kept], axis=1)
       return x + pos_embedding.astype(x.dtype)
+    # x + pos_embedding, the gradient's sum over the batch as a product.
     return xla_products.add_to_every_example(x, pos_embedding.astype(x.dtype))
 
 
