@@ -87,11 +87,12 @@ def _user_errors() -> tuple[type, ...]:
   from vit_jax.checkpoints import orbax_checkpoints
   from vit_jax.data import datasets
   from vit_jax.model import vit
+  from vit_jax.runtime import host_memory
   return (ValueError, FileNotFoundError, ImportError,
           datasets.DatasetUnavailableError,
           orbax_checkpoints.CheckpointRestoreError,
           orbax_checkpoints.WorkdirError, FloatingPointError,
-          vit.ViTInputError)
+          vit.ViTInputError, host_memory.HostMemoryError)
 
 
 def _inspect(mode: str, config, workdir: str) -> None:

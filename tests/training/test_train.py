@@ -16,7 +16,7 @@ from vit_jax import config as config_lib
 from vit_jax.checkpoints import pretrained
 from vit_jax.data import augment, datasets
 from vit_jax.model import variants
-from vit_jax.runtime import sharding
+from vit_jax.runtime import host_memory, sharding
 from vit_jax.training import loop, metric_writer, optim, steps
 
 
@@ -465,3 +465,21 @@ def test_locked_config_rejects_unknown_keys():
     config.batch_sise = 64
   with pytest.raises(AttributeError):
     config.model.hiden_size = 64
+
+
+def test_a_step_too_large_for_the_host_stops_before_training(tmp_path,
+                                                             monkeypatch):
+  """On a CPU the step's memory is checked against what the host has
+  (vit_jax/runtime/host_memory.py) before its first run: too little stops
+  the run with the settings that lower it, where the system would kill the
+  process partway; config.check_host_memory=False runs it regardless."""
+  monkeypatch.setattr(host_memory, "available_bytes", lambda: 2**16)
+  config = small_config(num_train_steps=2, checkpoint_every_steps=1)
+  with pytest.raises(host_memory.HostMemoryError,
+                     match=r"The train step needs .* GiB of host memory.*"
+                     r"--config.batch_size=16 over --config.accum_steps=1"):
+    loop.train_and_evaluate(config, str(tmp_path / "checked"))
+  assert os.listdir(tmp_path / "checked" / "checkpoints") == []
+  config.check_host_memory = False
+  final = loop.train_and_evaluate(config, str(tmp_path / "unchecked"))
+  assert final["num_examples"] == 40

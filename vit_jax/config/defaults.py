@@ -111,6 +111,11 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   # 0 keeps one multi-threaded device. Applied by main.py before JAX starts;
   # an XLA_FLAGS device count of the user's wins.
   config.cpu_devices = 0
+  # On a CPU, check before the train and eval steps first run that they fit
+  # in the host's memory (vit_jax/runtime/host_memory.py): a step that does
+  # not is otherwise killed partway by the system, with nothing logged.
+  # False runs it regardless (e.g. where swap makes up the difference).
+  config.check_host_memory = True
   # Train steps per dispatch from the host: k > 1 runs k steps as one
   # program looping on the device (steps.train_steps), so the host's work
   # per step (sending a state of hundreds of arrays) is paid once per k

@@ -16,10 +16,13 @@ to global norm 1, no weight decay, no dropout, no label smoothing.
 
 Expected result: about 99.0% test accuracy, the official repository's figure
 for this setup (ViT-B/16, 10k steps, 384 px; the paper's Table 5 gives
-98.95-99.00%). That is a GPU/TPU run: on this project's 2-core CPU, ViT-B/16 at 384 px
-trains at 0.33 images/s (measured with the smoke run below), so one
-512-image step would take ~26 minutes. What runs here, to show it works
-(1 min 45 s, 5 GB peak RSS):
+98.95-99.00%). That is a GPU/TPU run: on 2 cores of a Zen 5 EPYC, ViT-B/16
+at 384 px trains at 1.5 images/s (`python benchmarks/throughput.py
+--models=ViT-B/16@384`, 2.5x timm's), so one 512-image step takes ~6 minutes,
+and XLA's scratch is ~0.4 GiB per image of a micro-batch: 64 images need
+~26 GiB, which the check before the first step reports where the host has
+less (raise accum_steps). What runs here, to show it works (34 s and 3 GB
+peak RSS on that Zen 5):
 
   python -m vit_jax.checkpoints.convert --random_init=ViT-B/16 --num_classes=21843 \
       --representation_size=768 --output=/tmp/ViT-B_16-random.npz

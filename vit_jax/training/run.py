@@ -22,7 +22,7 @@ from vit_jax.checkpoints import orbax_checkpoints, pretrained
 from vit_jax.data import augment, datasets
 from vit_jax.kernels import cpu_gemm, xla_products
 from vit_jax.model import options, variants, vit
-from vit_jax.runtime import cpu_info, sharding
+from vit_jax.runtime import cpu_info, host_memory, sharding
 from vit_jax.training import (budget, budget_tracker, dispatch,
                               metric_writer, optim, steps)
 
@@ -58,8 +58,10 @@ class Run:
         self.model.matmul_dtype)
     per_dispatch = self.config.steps_per_dispatch
     return dispatch.Phase(
-        steps.compile_train_step(*args, **options),
-        steps.compile_train_steps(*args, per_dispatch, **options)
+        memory_checked(self.config, steps.compile_train_step(
+            *args, **options), "train step"),
+        memory_checked(self.config, steps.compile_train_steps(
+            *args, per_dispatch, **options), f"{per_dispatch} train steps")
         if per_dispatch > 1 else None, unmasked=unmasked)
 
   @property
@@ -112,14 +114,35 @@ def build_run(config: ml_collections.ConfigDict, workdir: str
   elif config.init_from is not None:
     state = init_from_pretrained(config, state, spec.image_shape[:2])
   start_step = restored_step or 0
-  eval_fn = steps.compile_eval_step(
+  eval_fn = memory_checked(config, steps.compile_eval_step(
       mesh, steps.shardings_of(state.params),
       xla_products.xla_compiler_options(model.matmul_dtype),
-      **config_lib.eval_step_options(config, model.apply, mean, std))
+      **config_lib.eval_step_options(config, model.apply, mean, std)),
+                           "eval step")
   flip = dataset.flip if config.random_flip is None else config.random_flip
   run = Run(config, workdir, mesh, dataset, spec, mean, std, flip, model,
             manager, metric_writer.MetricWriter(workdir, start_step), eval_fn)
   return run, state, start_step, plan
+
+
+def memory_checked(config: ml_collections.ConfigDict, jitted: Callable,
+                   what: str) -> Callable:
+  """`jitted`, checked to fit in the host's memory before its first run on
+  a CPU (`host_memory.CheckedOnFirstRun`), unless config.check_host_memory
+  is False. The error names the settings that lower a step's memory."""
+  if not config.check_host_memory:
+    return jitted
+  if what == "eval step":
+    fixes = ("Lower --config.eval_batch_size (now "
+             f"{config.eval_batch_size}); its scratch grows with it.")
+  else:
+    fixes = (f"Its scratch grows with the images per micro-batch "
+             f"(--config.batch_size={config.batch_size} over "
+             f"--config.accum_steps={config.accum_steps} now): raise "
+             "accum_steps (the same update from smaller micro-batches), "
+             "lower batch_size, or set --config.model.remat_blocks=True "
+             "(each block's activations recomputed in the backward pass).")
+  return host_memory.CheckedOnFirstRun(jitted, what, fixes, log)
 
 
 def schedule(config, spec: config_lib.RunSpec, plan: Optional[dict]
