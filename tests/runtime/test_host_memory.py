@@ -156,3 +156,26 @@ def test_a_step_that_takes_most_of_the_memory_is_logged(monkeypatch):
   assert step.runs == 1
   assert len(logged) == 1 and logged[0].startswith("Warning: The eval step")
   assert "90%" in logged[0]
+
+
+def test_every_cpu_device_of_a_sharded_step_is_counted(monkeypatch):
+  """Each of the host's CPU devices holds its own scratch in the host's
+  memory: the check multiplies one device's needs by their number."""
+  from vit_jax.runtime import sharding  # pylint: disable=import-outside-toplevel
+  mesh = sharding.make_mesh()
+  devices = len(mesh.local_devices)
+  assert devices == len(jax.devices()) > 1  # tests/conftest.py: 8
+  x = jax.device_put(jnp.ones((devices * 256, 512)),
+                     sharding.batch_sharded(mesh))
+  step = jax.jit(lambda state, x: (state, jnp.tanh(x) * 2.0))
+  one_device = host_memory.needed_bytes(
+      step.lower(jnp.zeros(3), x).compile(), 1)
+  monkeypatch.setattr(host_memory, "available_bytes",
+                      lambda: devices * one_device - 1)
+  with pytest.raises(host_memory.HostMemoryError,
+                     match=f"on each of {devices} CPU devices"):
+    host_memory.check_fits(step, (jnp.zeros(3), x), "train step", "")
+  monkeypatch.setattr(host_memory, "available_bytes",
+                      lambda: 2 * devices * one_device)
+  assert host_memory.check_fits(step, (jnp.zeros(3), x), "train step",
+                                "") is None

@@ -95,10 +95,12 @@ def check_fits(jitted: Callable, args: tuple, what: str,
   of it, else None. Off a CPU, or where the available memory is unknown,
   checks nothing. Compiles the program, which `jitted`'s first call then
   reuses (jit keeps the executable)."""
-  leaves = [x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)]
-  if not leaves:
+  local = set()  # the devices of this process that the program runs on
+  for x in jax.tree.leaves(args):
+    if isinstance(x, jax.Array):
+      local |= x.sharding.addressable_devices
+  if not local:
     return None
-  local = leaves[0].sharding.addressable_devices
   available = available_bytes()
   if available is None or any(d.platform != "cpu" for d in local):
     return None
