@@ -57,12 +57,15 @@ class Run:
     options["compiler_options"] = xla_products.xla_compiler_options(
         self.model.matmul_dtype)
     per_dispatch = self.config.steps_per_dispatch
-    return dispatch.Phase(
-        memory_checked(self.config, steps.compile_train_step(
-            *args, **options), "train step"),
-        memory_checked(self.config, steps.compile_train_steps(
-            *args, per_dispatch, **options), f"{per_dispatch} train steps")
-        if per_dispatch > 1 else None, unmasked=unmasked)
+    fixes = _train_memory_fixes(self.config)
+    one_step = memory_checked(self.config, steps.compile_train_step(
+        *args, **options), "train step", fixes)
+    several_steps = memory_checked(
+        self.config, steps.compile_train_steps(*args, per_dispatch,
+                                               **options),
+        f"dispatch of {per_dispatch} train steps", fixes
+    ) if per_dispatch > 1 else None
+    return dispatch.Phase(one_step, several_steps, unmasked=unmasked)
 
   @property
   def unmasked_model(self) -> vit.VisionTransformer:
@@ -114,11 +117,13 @@ def build_run(config: ml_collections.ConfigDict, workdir: str
   elif config.init_from is not None:
     state = init_from_pretrained(config, state, spec.image_shape[:2])
   start_step = restored_step or 0
-  eval_fn = memory_checked(config, steps.compile_eval_step(
+  eval_fn = steps.compile_eval_step(
       mesh, steps.shardings_of(state.params),
       xla_products.xla_compiler_options(model.matmul_dtype),
-      **config_lib.eval_step_options(config, model.apply, mean, std)),
-                           "eval step")
+      **config_lib.eval_step_options(config, model.apply, mean, std))
+  eval_fn = memory_checked(
+      config, eval_fn, "eval step", "Lower --config.eval_batch_size (now "
+      f"{config.eval_batch_size}); its scratch grows with it.")
   flip = dataset.flip if config.random_flip is None else config.random_flip
   run = Run(config, workdir, mesh, dataset, spec, mean, std, flip, model,
             manager, metric_writer.MetricWriter(workdir, start_step), eval_fn)
@@ -126,23 +131,22 @@ def build_run(config: ml_collections.ConfigDict, workdir: str
 
 
 def memory_checked(config: ml_collections.ConfigDict, jitted: Callable,
-                   what: str) -> Callable:
+                   what: str, fixes: str) -> Callable:
   """`jitted`, checked to fit in the host's memory before its first run on
-  a CPU (`host_memory.CheckedOnFirstRun`), unless config.check_host_memory
-  is False. The error names the settings that lower a step's memory."""
+  a CPU (`host_memory.CheckedOnFirstRun`; `fixes` names the settings that
+  lower its memory), unless config.check_host_memory is False."""
   if not config.check_host_memory:
     return jitted
-  if what == "eval step":
-    fixes = ("Lower --config.eval_batch_size (now "
-             f"{config.eval_batch_size}); its scratch grows with it.")
-  else:
-    fixes = (f"Its scratch grows with the images per micro-batch "
-             f"(--config.batch_size={config.batch_size} over "
-             f"--config.accum_steps={config.accum_steps} now): raise "
-             "accum_steps (the same update from smaller micro-batches), "
-             "lower batch_size, or set --config.model.remat_blocks=True "
-             "(each block's activations recomputed in the backward pass).")
   return host_memory.CheckedOnFirstRun(jitted, what, fixes, log)
+
+
+def _train_memory_fixes(config: ml_collections.ConfigDict) -> str:
+  return (f"Its scratch grows with the images per micro-batch "
+          f"(--config.batch_size={config.batch_size} over "
+          f"--config.accum_steps={config.accum_steps} now): raise "
+          "accum_steps (the same update from smaller micro-batches), lower "
+          "batch_size, or set --config.model.remat_blocks=True (each "
+          "block's activations recomputed in the backward pass).")
 
 
 def schedule(config, spec: config_lib.RunSpec, plan: Optional[dict]
