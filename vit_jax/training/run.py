@@ -134,8 +134,9 @@ def memory_checked(config: ml_collections.ConfigDict, jitted: Callable,
                    what: str, fixes: str) -> Callable:
   """`jitted`, checked to fit in the host's memory before its first run on
   a CPU (`host_memory.CheckedOnFirstRun`; `fixes` names the settings that
-  lower its memory), unless config.check_host_memory is False."""
-  if not config.check_host_memory:
+  lower its memory), unless config.check_host_memory is False. Elsewhere
+  `jitted` itself: an accelerator's runtime reports its own memory errors."""
+  if not config.check_host_memory or jax.default_backend() != "cpu":
     return jitted
   return host_memory.CheckedOnFirstRun(jitted, what, fixes, log)
 
