@@ -18,9 +18,9 @@ forward (batch 256 / 64). --models races others instead: ViT-S/16 @224
 768, 12 heads, MLP 3072), batches 32 / 64 (45 minutes for both on 2
 cores), and ViT-B/16 @384 (577 tokens, the paper's fine-tuning
 resolution), batches 8 / 16; the summary's cpu="…" then names them.
---batch replaces every
-workload's batch (--batch=1: one image at a time, as an application
-classifying single photos runs), and the summary's cpu="…" says so.
+--batch replaces every workload's batch (--batch=1: one image at a time,
+as an application classifying single photos runs), and the summary's
+cpu="…" says so.
 vit_jax runs as configs/vit_tiny_cifar.py runs it on a CPU
 (config.cpu_devices=-1): a device per core, each taking part of the batch,
 or one multi-threaded device where the batch does not split evenly; PyTorch
