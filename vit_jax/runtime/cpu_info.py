@@ -71,7 +71,8 @@ def _cpu_list(text: str) -> set[int]:
   return cpus
 
 
-def _read(path: str) -> Optional[str]:
+def read_text(path: str) -> Optional[str]:
+  """A small file's text (sysfs, procfs), or None where it cannot be read."""
   try:
     with open(path) as f:
       return f.read()
@@ -81,14 +82,14 @@ def _read(path: str) -> Optional[str]:
 
 def _linux_core_kinds() -> Optional[tuple[set[int], set[int]]]:
   """(fast CPUs, slower CPUs) from sysfs, or None if all are alike."""
-  fast = _read(os.path.join(SYSFS_DEVICES, "cpu_core", "cpus"))
-  slow = _read(os.path.join(SYSFS_DEVICES, "cpu_atom", "cpus"))
+  fast = read_text(os.path.join(SYSFS_DEVICES, "cpu_core", "cpus"))
+  slow = read_text(os.path.join(SYSFS_DEVICES, "cpu_atom", "cpus"))
   if fast is not None and slow is not None:
     return _cpu_list(fast), _cpu_list(slow)
   capacities = {}
   for path in glob.glob(os.path.join(SYSFS_DEVICES, "system", "cpu",
                                      "cpu[0-9]*", "cpu_capacity")):
-    text = _read(path)
+    text = read_text(path)
     if text and text.strip().isdigit():
       cpu = int(os.path.basename(os.path.dirname(path))[3:])
       capacities[cpu] = int(text)

@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 
 import jax
 
+from vit_jax.runtime import cpu_info
+
 MEMINFO = "/proc/meminfo"
 # cgroup v2's limit and use for this process's group, or v1's (containers,
 # `docker run --memory`, systemd slices): MemAvailable is the machine's.
@@ -32,11 +34,7 @@ class HostMemoryError(MemoryError):
 
 
 def _number(path: str) -> Optional[int]:
-  try:
-    with open(path) as f:
-      text = f.read().strip()
-  except OSError:
-    return None
+  text = (cpu_info.read_text(path) or "").strip()
   return int(text) if text.isdigit() else None  # "max": no limit
 
 
