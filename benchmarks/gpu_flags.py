@@ -4,15 +4,16 @@ by side in one process.
   python benchmarks/gpu_flags.py                      # ViT-L/16, batch 128
   python benchmarks/gpu_flags.py --mode=infer         # its forward, batch 256
   python benchmarks/gpu_flags.py --model=ViT-B/16 --batch=256 --rounds=5
-  python benchmarks/gpu_flags.py --variants="as is,no Triton GEMMs"
+  python benchmarks/gpu_flags.py --variants="as is,Triton GEMMs"
 
 The train step of benchmarks/gpu_throughput.py's vit_jax worker (bfloat16
 compute, float32 parameters and AdamW state, cuDNN's flash attention), or
 with --mode=infer its inference program (bfloat16 parameters, the batch
 of gpu_throughput.py's inference race unless --batch says otherwise), is
 compiled once per variant below. A variant is a dict of XLA debug options
-passed as `compiler_options` to that one compilation (the process's
-XLA_FLAGS stay as they are), or a change to the model: the einsums in
+passed as `compiler_options` to that one compilation, over the options
+vit_jax's steps compile with (the process's XLA_FLAGS stay as they are),
+or a change to the model: the einsums in
 place of cuDNN's attention, or (training only) JAX's own gradients for the
 Dense layers' matmuls in place of vit_jax's backward passes, which were
 written for XLA:CPU (`vit_jax/kernels/matmuls.py`: the kernels' gradients
@@ -46,7 +47,7 @@ import jax.numpy as jnp
 
 # The race's sizes and preprocessing (benchmarks/, beside this file).
 from gpu_throughput import (IMAGE_SIZE, MODELS, NUM_CLASSES, inference_program,
-                            preprocess)
+                            library_compiler_options, preprocess)
 from vit_jax.kernels import attention, gelu_matmul, matmuls
 from vit_jax.model import variants
 from vit_jax.runtime import sharding
@@ -73,8 +74,9 @@ class Variant(NamedTuple):
 
 VARIANTS = {
     "as is": Variant({}),
-    # cuBLAS for the products XLA now gives its Triton GEMM emitter.
-    "no Triton GEMMs": Variant({"xla_gpu_enable_triton_gemm": False}),
+    # XLA's Triton GEMM fusions for the products it would give them, where
+    # vit_jax's steps take cuBLAS (`xla_products.xla_compiler_options`).
+    "Triton GEMMs": Variant({"xla_gpu_enable_triton_gemm": True}),
     # cuDNN's LayerNorm kernels for XLA's LayerNorm reductions.
     "cuDNN LayerNorm": Variant({"xla_gpu_enable_cudnn_layer_norm": True}),
     # cuDNN's GEMM fusions (a product with its elementwise neighbours).
@@ -151,7 +153,8 @@ def _program(model_name: str, attention: str, mode: str, images, labels,
       optim.adamw(1e-3, weight_decay=0.05), 0, sharding.make_mesh())
   step = jax.jit(functools.partial(
       steps.train_step, preprocess=preprocess, label_smoothing=0.0,
-      learning_rate_fn=lambda _: 1e-3))
+      learning_rate_fn=lambda _: 1e-3),
+      compiler_options=library_compiler_options(model))
   return step, (state, images, labels)
 
 

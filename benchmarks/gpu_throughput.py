@@ -106,8 +106,16 @@ def inference_program(model):
       lambda p: p.astype(jnp.bfloat16), model.init(key, jnp.zeros(
           (1, IMAGE_SIZE, IMAGE_SIZE, 3)))["params"]))(jax.random.PRNGKey(0))
   forward = jax.jit(lambda p, x: model.apply({"params": p},
-                                             preprocess(x, None)))
+                                             preprocess(x, None)),
+                    compiler_options=library_compiler_options(model))
   return forward, params
+
+
+def library_compiler_options(model):
+  """The per-program XLA options that vit_jax's trainer compiles its steps
+  with (on an NVIDIA GPU: cuBLAS, not Triton, for the products)."""
+  from vit_jax.kernels import xla_products  # pylint: disable=import-outside-toplevel
+  return xla_products.xla_compiler_options(model.matmul_dtype)
 
 
 def jax_worker(name: str, mode: str, batch: int, profile_dir: str = "",
@@ -141,7 +149,8 @@ def jax_worker(name: str, mode: str, batch: int, profile_dir: str = "",
     start = time.perf_counter()
     step = jax.jit(functools.partial(
         steps.train_step, preprocess=preprocess, label_smoothing=0.0,
-        learning_rate_fn=lambda _: 1e-3), donate_argnums=0)
+        learning_rate_fn=lambda _: 1e-3), donate_argnums=0,
+                   compiler_options=library_compiler_options(model))
     compiled = step.lower(state, images, labels).compile()
     stepper = _TrainSteps(compiled, state, images, labels)
     run_steps, synchronize = stepper.run, stepper.synchronize

@@ -753,14 +753,14 @@ def test_gpu_flags_benchmark_compares_its_variants(mode):
   result = run_python(
       "benchmarks/gpu_flags.py", "--model=ViT-Ti/16", "--batch=2",
       "--num_layers=2", f"--mode={mode}", "--rounds=1", "--steps=1",
-      "--variants=no Triton GEMMs,JAX's matmul gradients,"
+      "--variants=Triton GEMMs,JAX's matmul gradients,"
       "unpadded cuDNN attention", timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.strip().splitlines()
   assert "--num_layers=2" in lines[0]  # the command, as run
   rows = [line for line in lines if line.startswith("| ")][1:]
   # Each mode's own variants only.
-  names = ["as is", "no Triton GEMMs", {
+  names = ["as is", "Triton GEMMs", {
       "train": "JAX's matmul gradients",
       "infer": "unpadded cuDNN attention"}[mode]]
   assert [row.split("|")[1].strip() for row in rows] == names, lines

@@ -20,6 +20,7 @@ import pytest
 
 import helpers
 from vit_jax.checkpoints import orbax_checkpoints
+from vit_jax.kernels import xla_products
 from vit_jax.model import variants
 from vit_jax.runtime import sharding
 from vit_jax.training import optim, steps
@@ -158,6 +159,27 @@ def test_auto_keeps_the_einsums_in_float32(gpu):
   step = jax.jit(jax.value_and_grad(_loss_fn(model, images, jnp.arange(2))))
   program = step.lower(params).compile().as_text()
   assert "__cudnn$fmha" not in program
+
+
+def test_products_take_cublas_not_xlas_triton_gemm_fusions(gpu):
+  """The steps' per-program options (`xla_products.xla_compiler_options`)
+  give every product of ViT-B/16's bfloat16 forward and backward passes to
+  cuBLAS: none is a Triton GEMM fusion (docs/gpu.md, 2026-12-04); the
+  same loss as XLA's own choice."""
+  model = _model("ViT-B/16", "bfloat16")
+  params = _init(model, gpu)
+  images = jax.device_put(_images(8), gpu)
+  loss_and_grads = jax.value_and_grad(_loss_fn(model, images, jnp.arange(8)))
+  options = xla_products.xla_compiler_options(model.matmul_dtype)
+  assert options == {"xla_gpu_enable_triton_gemm": False}
+  compiled = jax.jit(loss_and_grads, compiler_options=options).lower(
+      params).compile()
+  program = compiled.as_text()
+  assert "__triton_gemm" not in program and "__cublas" in program
+  loss, _ = compiled(params)
+  reference, _ = jax.jit(loss_and_grads)(params)
+  assert abs(float(loss) - float(reference)) < BF16_TOLERANCE * abs(
+      float(reference))
 
 
 def test_train_step_compiles_once(gpu, tmp_path, caplog):

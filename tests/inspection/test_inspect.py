@@ -14,6 +14,7 @@ from PIL import Image
 from helpers import small_config, small_vit
 from vit_jax.data import augment
 from vit_jax.inspection import introspect, reports, tools
+from vit_jax.kernels import xla_products
 from vit_jax.model import variants
 from vit_jax.training import loop, metric_writer
 
@@ -327,8 +328,11 @@ def test_a_bfloat16_model_predicts_from_kernels_rounded_once():
   trained = tools.TrainedModel(model, params, ["a", "b", "c"], (16, 16, 3),
                                mean, std)
 
+  # Compiled as TrainedModel compiles (YNNPACK's bfloat16 dots on a CPU).
   expected = jax.jit(lambda p: model.apply(
-      {"params": p}, augment.normalize(images, mean, std)))
+      {"params": p}, augment.normalize(images, mean, std)),
+                     compiler_options=xla_products.xla_compiler_options(
+                         model.matmul_dtype))
 
   np.testing.assert_array_equal(trained.logits(images), expected(params))
   prepared = trained._prepared[1]

@@ -299,6 +299,8 @@ def test_xla_compiler_options_turn_on_ynnpack_dots_only_for_bfloat16():
   options = xla_products.xla_compiler_options(jnp.bfloat16)
   float32 = xla_products.xla_compiler_options(None)
   assert xla_products.xla_compiler_options(jnp.float32) == float32
+  if jax.default_backend() == "gpu":  # test_gpu.py checks what they do
+    return
   if (jax.default_backend() != "cpu"
       or host.jaxlib_release() not in ("0.10", "0.11", "0.12")):
     assert options is None and float32 is None
@@ -317,6 +319,23 @@ def test_xla_compiler_options_turn_on_ynnpack_dots_only_for_bfloat16():
   assert "ynn_fusion" in compiled.as_text()  # YNNPACK runs the product
   np.testing.assert_allclose(compiled(a, b), jax.jit(product)(a, b),
                              rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device_kind, options", [
+    ("NVIDIA H200", {"xla_gpu_enable_triton_gemm": False}),
+    ("AMD Instinct MI300X", None)])
+def test_xla_compiler_options_give_an_nvidia_gpus_products_to_cublas(
+    monkeypatch, device_kind, options):
+  """On an NVIDIA GPU, whatever the products' dtype, cuBLAS rather than
+  XLA's Triton GEMM fusions; no option on other GPUs, where it was not
+  measured (and no XLA:CPU option off a CPU)."""
+  class FakeGpu:  # jax.devices()[0] as the options read it
+    pass
+  FakeGpu.device_kind = device_kind
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "devices", lambda *_: [FakeGpu()])
+  for dtype in (None, jnp.float32, jnp.bfloat16):
+    assert xla_products.xla_compiler_options(dtype) == options, dtype
 
 
 needs_ynnpack_reductions = pytest.mark.skipif(

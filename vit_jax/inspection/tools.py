@@ -28,6 +28,7 @@ from vit_jax.checkpoints import pretrained
 from vit_jax.data import augment, datasets
 from vit_jax.inspection import figure7 as figure7_lib
 from vit_jax.inspection import introspect, plots, reports
+from vit_jax.kernels import xla_products
 from vit_jax.model import inference, variants
 from vit_jax.runtime import sharding
 from vit_jax.training import metric_writer
@@ -52,7 +53,9 @@ class TrainedModel:
       logits_fn = lambda x: self.model.apply({"params": params}, x)
       return (augment.mirror_averaged(logits_fn, inputs) if self.flip_average
               else logits_fn(inputs))
-    self._logits = jax.jit(logits)  # compiled once per input shape
+    # Compiled once per input shape, with the options of the trainer's steps.
+    self._logits = jax.jit(logits, compiler_options=(
+        xla_products.xla_compiler_options(self.model.matmul_dtype)))
     self._prepared = (None, None)  # (params, their inference_params)
 
   def logits(self, images: jax.Array) -> jax.Array:

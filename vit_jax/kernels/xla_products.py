@@ -7,7 +7,8 @@
   with bfloat16 operands through YNNPACK, by a transposed copy that a C++
   kernel makes (`cpu_transpose`).
 - `xla_compiler_options`: the per-program options that turn YNNPACK on for
-  bfloat16 products and for the reductions beside the C++ kernels;
+  bfloat16 products and for the reductions beside the C++ kernels, and
+  that give a CUDA GPU's products to cuBLAS;
   `bfloat16_dot_instructions`: whether bfloat16 products pay here.
 - `add_to_every_example`: x + an array shared by the batch, whose gradient
   sums over the batch as a product, not a reduction YNNPACK would take.
@@ -50,7 +51,13 @@ def xla_compiler_options(operand_dtype: Any) -> Optional[dict[str, str]]:
     YNNPACK's reductions: the Dense layers' bias gradients, which XLA sums
     over (batch, tokens) in windows of 32 rows padded from 197 to 224, in
     one pass (the train step 1.1-1.4% faster on a Zen 5).
+
+  On an NVIDIA GPU, cuBLAS for every product rather than XLA's Triton GEMM
+  fusions: ViT-L/16's bfloat16 forward pass 1.10x faster and its train
+  step unchanged, on an H200 with jax 0.11.2 (docs/gpu.md, 2026-12-04).
   """
+  if _nvidia_gpu():
+    return dict(_NVIDIA_GPU_OPTIONS)
   if not _ynnpack_options_apply():
     return None
   fusions = [name for name, wanted in (
@@ -99,6 +106,18 @@ def _add_to_every_example_backward(_, output_grad):
 
 add_to_every_example.defvjp(_add_to_every_example_forward,
                             _add_to_every_example_backward)
+
+
+# XLA:GPU's Triton GEMM fusions (a product with its elementwise neighbours,
+# tiled by Triton) ran ViT-L/16's forward products slower than cuBLAS.
+_NVIDIA_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def _nvidia_gpu() -> bool:
+  """Whether JAX's default devices are NVIDIA GPUs (CUDA), where
+  `_NVIDIA_GPU_OPTIONS` were measured; not ROCm's."""
+  return (jax.default_backend() == "gpu"
+          and jax.devices()[0].device_kind.startswith("NVIDIA"))
 
 
 def _ynnpack_options_apply() -> bool:
