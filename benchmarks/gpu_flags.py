@@ -58,15 +58,18 @@ class Variant(NamedTuple):
   """One compilation: XLA debug options and the model it compiles."""
   options: dict
   attention: str = "auto"  # config.model.attention_implementation
-  # "vit_jax": matmuls' backward passes; "jax": JAX's transposes, the
-  # GELU's output kept for the backward pass (training only).
-  matmul_gradients: str = "vit_jax"
+  # The Dense layers that take JAX's own gradients (training only) in
+  # place of vit_jax's backward passes: "dense" (`matmuls`: the
+  # attention's projections, the patch embedding, the head) and "mlp"
+  # (`gelu_matmul.mlp`: its two layers, the GELU's output kept for the
+  # backward pass rather than recomputed).
+  jax_gradients: tuple[str, ...] = ()
   # False: cuDNN's attention on the odd token counts themselves, which its
   # forward pass takes (inference only; attention.dot_product_attention).
   pad_for_cudnn: bool = True
 
   def trains_only(self) -> bool:
-    return self.matmul_gradients != "vit_jax"
+    return bool(self.jax_gradients)
 
   def infers_only(self) -> bool:
     return not self.pad_for_cudnn
@@ -86,7 +89,11 @@ VARIANTS = {
     "einsum attention": Variant({}, attention="einsum"),
     # What the CPU-tuned backward passes cost or save on a GPU, where
     # memory is plentiful and cuBLAS takes either orientation.
-    "JAX's matmul gradients": Variant({}, matmul_gradients="jax"),
+    "JAX's matmul gradients": Variant({}, jax_gradients=("dense", "mlp")),
+    # ... split in two: the 2026-12-04 H200 run found the whole 4% faster
+    # with 8.7 GiB more scratch (docs/gpu.md); which part pays for which?
+    "JAX's gradients outside the MLP": Variant({}, jax_gradients=("dense",)),
+    "JAX's MLP gradients": Variant({}, jax_gradients=("mlp",)),
     # The padded token and cuDNN's padding mask, where nothing needs them.
     "unpadded cuDNN attention": Variant({}, pad_for_cudnn=False),
 }
@@ -116,12 +123,13 @@ def _jax_mlp(inputs, kernel0, bias0, kernel1, approximate=True,
 @contextlib.contextmanager
 def model_paths(variant: Variant):
   """While active (around tracing), the model's Dense layers take the
-  variant's matmul gradients ("vit_jax" as they are, or "jax": module
-  docstring) and its attention pads for cuDNN or not."""
+  variant's matmul gradients (`Variant.jax_gradients`) and its attention
+  pads for cuDNN or not."""
   real = (matmuls.dense_dot_general, gelu_matmul.mlp,
           attention.needs_even_tokens)
-  if variant.matmul_gradients == "jax":
+  if "dense" in variant.jax_gradients:
     matmuls.dense_dot_general = _jax_dense_dot_general
+  if "mlp" in variant.jax_gradients:
     gelu_matmul.mlp = _jax_mlp
   if not variant.pad_for_cudnn:
     attention.needs_even_tokens = lambda implementation: False

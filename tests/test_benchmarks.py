@@ -313,7 +313,8 @@ def test_step_ab_float32_attention_kernel_keeps_the_kernel_float32():
 def test_gpu_flags_jax_matmul_gradients_are_the_same_gradients():
   """gpu_flags' "JAX's matmul gradients": while active a ViT traces
   without vit_jax's custom backward passes and its gradients are the same
-  as with them (float32); before and after, they are there."""
+  as with them (float32); before and after, they are there. Its halves
+  take away the MLP's rules or the other Dense layers'."""
   import jax  # pylint: disable=import-outside-toplevel
   gpu_flags = _benchmark_module("gpu_flags")
   from vit_jax.model import vit  # pylint: disable=import-outside-toplevel
@@ -329,11 +330,17 @@ def test_gpu_flags_jax_matmul_gradients_are_the_same_gradients():
       leaf + 0.1 * jax.random.normal(key, leaf.shape)
       for leaf, key in zip(leaves, keys)])
   loss = lambda params: (model.apply({"params": params}, images) ** 2).sum()
-  custom = lambda: bool(re.search(  # matmuls' backward rules
-      r"bwd=_(matmul_backward_rule|gelu_dot_backward)\b",
+  rules = lambda: set(re.findall(  # matmuls' and the MLP's backward rules
+      r"bwd=_(matmul_backward_rule|mlp_backward)\b",
       str(jax.make_jaxpr(loss)(params))))
+  custom = lambda: bool(rules())
 
-  assert custom()
+  assert rules() == {"matmul_backward_rule", "mlp_backward"}
+  # The variant's halves: each takes away its own layers' rules only.
+  for name, kept in (("JAX's gradients outside the MLP", "mlp_backward"),
+                     ("JAX's MLP gradients", "matmul_backward_rule")):
+    with gpu_flags.model_paths(gpu_flags.VARIANTS[name]):
+      assert rules() == {kept}, name
   # Jitted, a trace inside the variant and one outside: faster than op by
   # op (15.3 -> 13.3 s for this test).
   expected = jax.jit(jax.grad(loss))(params)
