@@ -13,13 +13,15 @@ of gpu_throughput.py's inference race unless --batch says otherwise), is
 compiled once per variant below. A variant is a dict of XLA debug options
 passed as `compiler_options` to that one compilation, over the options
 vit_jax's steps compile with (the process's XLA_FLAGS stay as they are),
-or a change to the model: the einsums in
-place of cuDNN's attention, or (training only) JAX's own gradients for the
-Dense layers' matmuls in place of vit_jax's backward passes, which were
-written for XLA:CPU (`vit_jax/kernels/matmuls.py`: the kernels' gradients
-in the orientation Eigen packs fastest, the GELU recomputed instead of
-stored), or (inference only) cuDNN's attention on the model's odd token
-counts without the padding token and mask that its backward pass needs.
+or a change to the model: the einsums in place of cuDNN's attention;
+(training only) JAX's own gradients for the Dense layers' matmuls in
+place of vit_jax's backward passes, which were written for XLA:CPU
+(`vit_jax/kernels/matmuls.py`: the kernels' gradients in the orientation
+Eigen packs fastest, the GELU recomputed instead of stored); (inference
+only) cuDNN's attention on the model's odd token counts without the
+padding token and mask that its backward pass needs; or q, k and v from
+three products of the tokens, padded once, in place of one product whose
+parts are padded and cut apart.
 Then the variants take turns: --rounds rounds, each variant
 --steps steps from the same state in every round, so all of them see the
 same GPU state and clocks; a difference of a couple of percent shows. A
@@ -49,7 +51,7 @@ import jax.numpy as jnp
 from gpu_throughput import (IMAGE_SIZE, MODELS, NUM_CLASSES, inference_program,
                             library_compiler_options, preprocess)
 from vit_jax.kernels import attention, gelu_matmul, matmuls
-from vit_jax.model import variants
+from vit_jax.model import self_attention, variants
 from vit_jax.runtime import sharding
 from vit_jax.training import optim, steps
 
@@ -67,6 +69,8 @@ class Variant(NamedTuple):
   # False: cuDNN's attention on the odd token counts themselves, which its
   # forward pass takes (inference only; attention.dot_product_attention).
   pad_for_cudnn: bool = True
+  # True: q, k and v each from its own product (`_queries_keys_values_apart`).
+  projections_apart: bool = False
 
   def trains_only(self) -> bool:
     return bool(self.jax_gradients)
@@ -96,7 +100,25 @@ VARIANTS = {
     "JAX's MLP gradients": Variant({}, jax_gradients=("mlp",)),
     # The padded token and cuDNN's padding mask, where nothing needs them.
     "unpadded cuDNN attention": Variant({}, pad_for_cudnn=False),
+    # The 2026-12-04 trace: cutting k and v out of the fused q/k/v product,
+    # padded for cuDNN, took 153 us a block of ViT-L/16's 65 ms forward
+    # pass (docs/gpu.md); three products of tokens padded once need no cut.
+    "q/k/v apart": Variant({}, projections_apart=True),
 }
+
+
+def _queries_keys_values_apart(self, x, projections, num_query_tokens,
+                               fused, products):
+  """`MultiHeadSelfAttention._queries_keys_values` with q, k and v each
+  from its own product, the tokens padded once before them where cuDNN
+  needs even counts, not each projection after one fused product."""
+  if attention.needs_even_tokens(fused):
+    x = attention.pad_to_even(x)
+  queries_from = x if num_query_tokens is None else x[:, :num_query_tokens]
+  return [self._split(self._project(  # pylint: disable=protected-access
+      tokens, [projections[name]], products), fused)[0]
+          for name, tokens in (("query", queries_from), ("key", x),
+                               ("value", x))]
 
 
 def _jax_dense_dot_general(inputs, kernel, dimension_numbers, precision=None,
@@ -123,22 +145,27 @@ def _jax_mlp(inputs, kernel0, bias0, kernel1, approximate=True,
 @contextlib.contextmanager
 def model_paths(variant: Variant):
   """While active (around tracing), the model's Dense layers take the
-  variant's matmul gradients (`Variant.jax_gradients`) and its attention
-  pads for cuDNN or not."""
+  variant's matmul gradients (`Variant.jax_gradients`), its attention pads
+  for cuDNN or not, and takes q, k and v from one product or three."""
+  attention_module = self_attention.MultiHeadSelfAttention
   real = (matmuls.dense_dot_general, gelu_matmul.mlp,
-          attention.needs_even_tokens)
+          attention.needs_even_tokens,
+          attention_module._queries_keys_values)  # pylint: disable=protected-access
   if "dense" in variant.jax_gradients:
     matmuls.dense_dot_general = _jax_dense_dot_general
   if "mlp" in variant.jax_gradients:
     gelu_matmul.mlp = _jax_mlp
   if not variant.pad_for_cudnn:
     attention.needs_even_tokens = lambda implementation: False
+  if variant.projections_apart:
+    attention_module._queries_keys_values = _queries_keys_values_apart  # pylint: disable=protected-access
   jax.clear_caches()  # jit caches traced blocks: none may serve across
   try:
     yield
   finally:
     (matmuls.dense_dot_general, gelu_matmul.mlp,
-     attention.needs_even_tokens) = real
+     attention.needs_even_tokens,
+     attention_module._queries_keys_values) = real  # pylint: disable=protected-access
     jax.clear_caches()
 
 

@@ -369,6 +369,50 @@ def test_gpu_flags_unpadded_variant_stops_the_padding_for_cudnn_only_inside():
   assert not attention.needs_even_tokens("xla")
 
 
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+def test_gpu_flags_projections_apart_are_the_same_attention(
+    classifier, monkeypatch):
+  """gpu_flags' "q/k/v apart", with the tokens padded as for cuDNN (XLA's
+  implementation padded here, where no GPU is): three products of width
+  hidden_size in place of one of 3 x hidden_size, and the same logits and
+  gradients, with the class-token-only last block (10 tokens) and a full
+  one (9 tokens, padded to 10)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  gpu_flags = _benchmark_module("gpu_flags")
+  from vit_jax.kernels import attention  # pylint: disable=import-outside-toplevel
+  from vit_jax.model import vit  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(attention, "needs_even_tokens",
+                      lambda implementation: implementation == "xla")
+  jax.clear_caches()  # blocks traced unpadded by earlier tests trace again
+  model = vit.VisionTransformer(
+      num_classes=3, patch_size=4, hidden_size=12, num_layers=2, num_heads=2,
+      mlp_dim=24, classifier=classifier, attention_implementation="xla")
+  images = jax.random.normal(jax.random.PRNGKey(1), (2, 12, 12, 3))
+  params = model.init(jax.random.PRNGKey(0), images)["params"]
+  leaves, treedef = jax.tree.flatten(params)  # every parameter off its init
+  keys = jax.random.split(jax.random.PRNGKey(2), len(leaves))
+  params = treedef.unflatten([
+      leaf + 0.3 * jax.random.normal(key, leaf.shape)
+      for leaf, key in zip(leaves, keys)])
+  loss = lambda params: jnp.sum(jnp.sin(model.apply({"params": params},
+                                                    images)))
+  widths = lambda: set(re.findall(  # the Dense products' output widths
+      r"f32\[[\d,]*?,(\d+)\] = (?:custom_vjp_call|dot_general)",
+      str(jax.make_jaxpr(loss)(params))))
+
+  assert "36" in widths()  # one product for q, k and v
+  expected = jax.jit(jax.value_and_grad(loss))(params)
+  with gpu_flags.model_paths(gpu_flags.VARIANTS["q/k/v apart"]):
+    assert "36" not in widths() and "12" in widths()
+    got = jax.jit(jax.value_and_grad(loss))(params)
+  assert "36" in widths()
+  assert abs(float(expected[0])) > 0.1  # not trivially equal
+  np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(expected[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("operand_dtype", [None, "bfloat16"])
 def test_dense_products_are_a_dense_layers_forward_and_gradients(
     operand_dtype):
@@ -761,7 +805,7 @@ def test_gpu_flags_benchmark_compares_its_variants(mode):
       "benchmarks/gpu_flags.py", "--model=ViT-Ti/16", "--batch=2",
       "--num_layers=2", f"--mode={mode}", "--rounds=1", "--steps=1",
       "--variants=Triton GEMMs,JAX's matmul gradients,"
-      "unpadded cuDNN attention", timeout=600)
+      "unpadded cuDNN attention,q/k/v apart", timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.strip().splitlines()
   assert "--num_layers=2" in lines[0]  # the command, as run
@@ -769,7 +813,7 @@ def test_gpu_flags_benchmark_compares_its_variants(mode):
   # Each mode's own variants only.
   names = ["as is", "Triton GEMMs", {
       "train": "JAX's matmul gradients",
-      "infer": "unpadded cuDNN attention"}[mode]]
+      "infer": "unpadded cuDNN attention"}[mode], "q/k/v apart"]
   assert [row.split("|")[1].strip() for row in rows] == names, lines
   assert float(rows[0].split("|")[4]) == 1.0  # as is against itself
   assert all(float(row.split("|")[6]) > 0 for row in rows)  # scratch MiB
