@@ -310,6 +310,25 @@ def test_step_ab_float32_attention_kernel_keeps_the_kernel_float32():
   assert "VitAttentionSplitBackwardBf16" in program()
 
 
+def _small_vit_off_init(image_size: int, scale: float, **fields):
+  """(a two-layer ViT with `fields`, two random images, its params with
+  every one moved off its init by `scale` x a normal draw: the head's init
+  is zero, which would leave every other gradient zero)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from vit_jax.model import vit  # pylint: disable=import-outside-toplevel
+  model = vit.VisionTransformer(num_classes=3, patch_size=4, hidden_size=12,
+                                num_layers=2, num_heads=2, mlp_dim=24,
+                                **fields)
+  images = jax.random.normal(jax.random.PRNGKey(1),
+                             (2, image_size, image_size, 3))
+  params = model.init(jax.random.PRNGKey(0), images)["params"]
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(2), len(leaves))
+  return model, images, treedef.unflatten([
+      leaf + scale * jax.random.normal(key, leaf.shape)
+      for leaf, key in zip(leaves, keys)])
+
+
 def test_gpu_flags_jax_matmul_gradients_are_the_same_gradients():
   """gpu_flags' "JAX's matmul gradients": while active a ViT traces
   without vit_jax's custom backward passes and its gradients are the same
@@ -317,18 +336,7 @@ def test_gpu_flags_jax_matmul_gradients_are_the_same_gradients():
   take away the MLP's rules or the other Dense layers'."""
   import jax  # pylint: disable=import-outside-toplevel
   gpu_flags = _benchmark_module("gpu_flags")
-  from vit_jax.model import vit  # pylint: disable=import-outside-toplevel
-  model = vit.VisionTransformer(num_classes=3, patch_size=4, hidden_size=12,
-                                num_layers=2, num_heads=2, mlp_dim=24)
-  images = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 16, 3))
-  params = model.init(jax.random.PRNGKey(0), images)["params"]
-  # Every parameter moved off its init (the head's is zero, which would
-  # leave every other gradient zero).
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.PRNGKey(2), len(leaves))
-  params = treedef.unflatten([
-      leaf + 0.1 * jax.random.normal(key, leaf.shape)
-      for leaf, key in zip(leaves, keys)])
+  model, images, params = _small_vit_off_init(16, 0.1)
   loss = lambda params: (model.apply({"params": params}, images) ** 2).sum()
   rules = lambda: set(re.findall(  # matmuls' and the MLP's backward rules
       r"bwd=_(matmul_backward_rule|mlp_backward)\b",
@@ -381,20 +389,11 @@ def test_gpu_flags_projections_apart_are_the_same_attention(
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   gpu_flags = _benchmark_module("gpu_flags")
   from vit_jax.kernels import attention  # pylint: disable=import-outside-toplevel
-  from vit_jax.model import vit  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(attention, "needs_even_tokens",
                       lambda implementation: implementation == "xla")
   jax.clear_caches()  # blocks traced unpadded by earlier tests trace again
-  model = vit.VisionTransformer(
-      num_classes=3, patch_size=4, hidden_size=12, num_layers=2, num_heads=2,
-      mlp_dim=24, classifier=classifier, attention_implementation="xla")
-  images = jax.random.normal(jax.random.PRNGKey(1), (2, 12, 12, 3))
-  params = model.init(jax.random.PRNGKey(0), images)["params"]
-  leaves, treedef = jax.tree.flatten(params)  # every parameter off its init
-  keys = jax.random.split(jax.random.PRNGKey(2), len(leaves))
-  params = treedef.unflatten([
-      leaf + 0.3 * jax.random.normal(key, leaf.shape)
-      for leaf, key in zip(leaves, keys)])
+  model, images, params = _small_vit_off_init(
+      12, 0.3, classifier=classifier, attention_implementation="xla")
   loss = lambda params: jnp.sum(jnp.sin(model.apply({"params": params},
                                                     images)))
   widths = lambda: set(re.findall(  # the Dense products' output widths
