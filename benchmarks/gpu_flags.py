@@ -19,9 +19,9 @@ place of vit_jax's backward passes, which were written for XLA:CPU
 (`vit_jax/kernels/matmuls.py`: the kernels' gradients in the orientation
 Eigen packs fastest, the GELU recomputed instead of stored); (inference
 only) cuDNN's attention on the model's odd token counts without the
-padding token and mask that its backward pass needs; or q, k and v from
-three products of the tokens, padded once, in place of one product whose
-parts are padded and cut apart.
+padding token and mask that its backward pass needs; or, for cuDNN, q,
+k and v from one product whose output is padded and cut apart, in place
+of the model's three products of the tokens padded once.
 Then the variants take turns: --rounds rounds, each variant
 --steps steps from the same state in every round, so all of them see the
 same GPU state and clocks; a difference of a couple of percent shows. A
@@ -69,8 +69,9 @@ class Variant(NamedTuple):
   # False: cuDNN's attention on the odd token counts themselves, which its
   # forward pass takes (inference only; attention.dot_product_attention).
   pad_for_cudnn: bool = True
-  # True: q, k and v each from its own product (`_queries_keys_values_apart`).
-  projections_apart: bool = False
+  # True: q, k and v for cuDNN from one product, padded and cut apart
+  # (`_padded_queries_keys_values_fused`).
+  projections_fused: bool = False
 
   def trains_only(self) -> bool:
     return bool(self.jax_gradients)
@@ -100,25 +101,29 @@ VARIANTS = {
     "JAX's MLP gradients": Variant({}, jax_gradients=("mlp",)),
     # The padded token and cuDNN's padding mask, where nothing needs them.
     "unpadded cuDNN attention": Variant({}, pad_for_cudnn=False),
-    # The 2026-12-04 trace: cutting k and v out of the fused q/k/v product,
-    # padded for cuDNN, took 153 us a block of ViT-L/16's 65 ms forward
-    # pass (docs/gpu.md); three products of tokens padded once need no cut.
-    "q/k/v apart": Variant({}, projections_apart=True),
+    # The model's path until the 2026-12-04 H200 run, where cutting k and v
+    # out of the fused product, padded for cuDNN, took 153 us a block of
+    # ViT-L/16's 65 ms forward pass; three products of the tokens padded
+    # once inferred 3-7% faster and trained level (docs/gpu.md).
+    "q/k/v fused": Variant({}, projections_fused=True),
 }
 
 
-def _queries_keys_values_apart(self, x, projections, num_query_tokens,
-                               fused, products):
-  """`MultiHeadSelfAttention._queries_keys_values` with q, k and v each
-  from its own product, the tokens padded once before them where cuDNN
-  needs even counts, not each projection after one fused product."""
-  if attention.needs_even_tokens(fused):
-    x = attention.pad_to_even(x)
-  queries_from = x if num_query_tokens is None else x[:, :num_query_tokens]
-  return [self._split(self._project(  # pylint: disable=protected-access
-      tokens, [projections[name]], products), fused)[0]
-          for name, tokens in (("query", queries_from), ("key", x),
-                               ("value", x))]
+def _padded_queries_keys_values_fused(self, x, projections,
+                                      num_query_tokens, products):
+  """`MultiHeadSelfAttention._padded_queries_keys_values` as it was up to
+  2026-12-04: q, k and v from one product (k and v from one where only
+  some tokens query), its output padded to an even token count and cut
+  apart."""
+  def padded_and_split(tokens, names):
+    stacked = self._project(  # pylint: disable=protected-access
+        tokens, [projections[name] for name in names], products)
+    return self_attention.split_projections(attention.pad_to_even(stacked),
+                                            (2, 0, 1, 3, 4))
+  if num_query_tokens is None:
+    return padded_and_split(x, ("query", "key", "value"))
+  return (padded_and_split(x[:, :num_query_tokens], ("query",)) +
+          padded_and_split(x, ("key", "value")))
 
 
 def _jax_dense_dot_general(inputs, kernel, dimension_numbers, precision=None,
@@ -150,22 +155,23 @@ def model_paths(variant: Variant):
   attention_module = self_attention.MultiHeadSelfAttention
   real = (matmuls.dense_dot_general, gelu_matmul.mlp,
           attention.needs_even_tokens,
-          attention_module._queries_keys_values)  # pylint: disable=protected-access
+          attention_module._padded_queries_keys_values)  # pylint: disable=protected-access
   if "dense" in variant.jax_gradients:
     matmuls.dense_dot_general = _jax_dense_dot_general
   if "mlp" in variant.jax_gradients:
     gelu_matmul.mlp = _jax_mlp
   if not variant.pad_for_cudnn:
     attention.needs_even_tokens = lambda implementation: False
-  if variant.projections_apart:
-    attention_module._queries_keys_values = _queries_keys_values_apart  # pylint: disable=protected-access
+  if variant.projections_fused:
+    attention_module._padded_queries_keys_values = (  # pylint: disable=protected-access
+        _padded_queries_keys_values_fused)
   jax.clear_caches()  # jit caches traced blocks: none may serve across
   try:
     yield
   finally:
     (matmuls.dense_dot_general, gelu_matmul.mlp,
      attention.needs_even_tokens,
-     attention_module._queries_keys_values) = real  # pylint: disable=protected-access
+     attention_module._padded_queries_keys_values) = real  # pylint: disable=protected-access
     jax.clear_caches()
 
 

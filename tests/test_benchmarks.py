@@ -378,13 +378,13 @@ def test_gpu_flags_unpadded_variant_stops_the_padding_for_cudnn_only_inside():
 
 
 @pytest.mark.parametrize("classifier", ["token", "gap"])
-def test_gpu_flags_projections_apart_are_the_same_attention(
+def test_gpu_flags_fused_projections_are_the_same_attention(
     classifier, monkeypatch):
-  """gpu_flags' "q/k/v apart", with the tokens padded as for cuDNN (XLA's
-  implementation padded here, where no GPU is): three products of width
-  hidden_size in place of one of 3 x hidden_size, and the same logits and
-  gradients, with the class-token-only last block (10 tokens) and a full
-  one (9 tokens, padded to 10)."""
+  """gpu_flags' "q/k/v fused", with the tokens padded as for cuDNN (XLA's
+  implementation padded here, where no GPU is): one product of width 3 x
+  hidden_size in place of the model's three of hidden_size, and the same
+  logits and gradients, with the class-token-only last block (10 tokens)
+  and a full one (9 tokens, padded to 10)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   gpu_flags = _benchmark_module("gpu_flags")
@@ -400,12 +400,12 @@ def test_gpu_flags_projections_apart_are_the_same_attention(
       r"f32\[[\d,]*?,(\d+)\] = (?:custom_vjp_call|dot_general)",
       str(jax.make_jaxpr(loss)(params))))
 
-  assert "36" in widths()  # one product for q, k and v
+  assert "36" not in widths() and "12" in widths()  # q, k, v apart
   expected = jax.jit(jax.value_and_grad(loss))(params)
-  with gpu_flags.model_paths(gpu_flags.VARIANTS["q/k/v apart"]):
-    assert "36" not in widths() and "12" in widths()
+  with gpu_flags.model_paths(gpu_flags.VARIANTS["q/k/v fused"]):
+    assert "36" in widths()  # one product for q, k and v
     got = jax.jit(jax.value_and_grad(loss))(params)
-  assert "36" in widths()
+  assert "36" not in widths()
   assert abs(float(expected[0])) > 0.1  # not trivially equal
   np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
   for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(expected[1])):
@@ -804,7 +804,7 @@ def test_gpu_flags_benchmark_compares_its_variants(mode):
       "benchmarks/gpu_flags.py", "--model=ViT-Ti/16", "--batch=2",
       "--num_layers=2", f"--mode={mode}", "--rounds=1", "--steps=1",
       "--variants=Triton GEMMs,JAX's matmul gradients,"
-      "unpadded cuDNN attention,q/k/v apart", timeout=600)
+      "unpadded cuDNN attention,q/k/v fused", timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.strip().splitlines()
   assert "--num_layers=2" in lines[0]  # the command, as run
@@ -812,7 +812,7 @@ def test_gpu_flags_benchmark_compares_its_variants(mode):
   # Each mode's own variants only.
   names = ["as is", "Triton GEMMs", {
       "train": "JAX's matmul gradients",
-      "infer": "unpadded cuDNN attention"}[mode], "q/k/v apart"]
+      "infer": "unpadded cuDNN attention"}[mode], "q/k/v fused"]
   assert [row.split("|")[1].strip() for row in rows] == names, lines
   assert float(rows[0].split("|")[4]) == 1.0  # as is against itself
   assert all(float(row.split("|")[6]) > 0 for row in rows)  # scratch MiB

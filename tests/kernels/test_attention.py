@@ -39,8 +39,8 @@ def test_xla_dot_product_attention_gives_the_einsums_values(
     classifier, padded, monkeypatch):
   """Logits and gradients agree to float rounding, with the class-token-only
   last block ("token": 10 tokens, 1 query in the last block) and with a
-  full one ("gap": 9 tokens); padded: with the projections padded to even
-  token counts as for cuDNN, the padding masked out as keys and dropped as
+  full one ("gap": 9 tokens); padded: with the tokens padded to even
+  counts as for cuDNN, the padding masked out as keys and dropped as
   queries."""
   if padded:
     monkeypatch.setattr(attention, "needs_even_tokens",

@@ -103,8 +103,8 @@ def fused_implementation(requested: str, dtype: Any, head_dim: int, *,
 
 def needs_even_tokens(implementation: Optional[str]) -> bool:
   """Whether `implementation` must get even token counts (see
-  `dot_product_attention`): cuDNN's. The model then pads its projections
-  by one token where a count is odd."""
+  `dot_product_attention`): cuDNN's. The model then pads the tokens it
+  projects by one where a count is odd."""
   return implementation == "cudnn"
 
 
@@ -130,9 +130,9 @@ def dot_product_attention(query: jax.Array, key: jax.Array,
   Q 197, KV 197" when it differentiates odd token counts (its check takes
   the placeholder of an absent bias for a bias), and every class-token ViT
   at 224 px has 197 tokens (the last block's class-token queries: 1). So
-  where `needs_even_tokens`, the model pads its projections to even
-  counts (`pad_to_even`) and drops the padded queries after the output
-  projection.
+  where `needs_even_tokens`, the model pads the tokens it projects to
+  even counts (`pad_to_even`) and drops the padded queries after the
+  output projection.
   """
   lengths = None
   if key_tokens is not None and key_tokens != key.shape[1]:

@@ -1,7 +1,8 @@
 """Multi-head self-attention, the paper's attention sub-layer (Eq. 2 of
 Dosovitskiy et al., 2020), with the official checkpoints' parameter layout.
 
-The projections run as one matmul; the attention core runs as the einsums
+The projections run as one matmul (as three for cuDNN's attention, of
+tokens padded to an even count); the attention core runs as the einsums
 here or as a fused kernel from `vit_jax.kernels` (`implementation`).
 """
 
@@ -158,6 +159,9 @@ class MultiHeadSelfAttention(nn.Module):
                            ) -> list[jax.Array]:
     """q, k and v, their bias added, laid out by `_split`; q only for the
     first num_query_tokens tokens where it is given."""
+    if attention.needs_even_tokens(fused):
+      return self._padded_queries_keys_values(x, projections,
+                                              num_query_tokens, products)
     if num_query_tokens is None:
       return self._split(self._project(
           x, [projections[n] for n in ("query", "key", "value")], products),
@@ -167,6 +171,26 @@ class MultiHeadSelfAttention(nn.Module):
     key, value = self._split(self._project(
         x, [projections["key"], projections["value"]], products), fused)
     return [query, key, value]
+
+  def _padded_queries_keys_values(self, x: jax.Array, projections: dict,
+                                  num_query_tokens: Optional[int],
+                                  products: str) -> list[jax.Array]:
+    """q, k and v for cuDNN, each (B, T', heads, head_dim) with T' the
+    token count made even (`attention.pad_to_even`), each from its own
+    product of the padded tokens.
+
+    Why three products, not the one of `_project`: padding the fused
+    product's output left a slice fusion a block that cut k and v apart,
+    ~5% of ViT-L/16's forward pass on an H200. Three products of the
+    tokens padded once run 1.074x faster there (ViT-B/16 1.032x) and
+    train level (docs/gpu.md, 2026-12-04)."""
+    keys_from = attention.pad_to_even(x)
+    queries_from = (keys_from if num_query_tokens is None else
+                    attention.pad_to_even(x[:, :num_query_tokens]))
+    return [self._split(self._project(tokens, [projections[name]], products),
+                        "cudnn")[0]
+            for name, tokens in (("query", queries_from), ("key", keys_from),
+                                 ("value", keys_from))]
 
   def _cpu_kernel_core(self, x: jax.Array, projections: dict,
                        num_query_tokens: Optional[int], products: str
@@ -221,9 +245,6 @@ class MultiHeadSelfAttention(nn.Module):
     5.6% slower; docs/performance.md, *Heads first*). One transpose for all
     projections, not a split and one per projection: 1.8-3.7% faster
     vit_tiny_cifar training steps."""
-    if attention.needs_even_tokens(fused):
-      # Padded here, before the transpose: XLA fuses the padding into it.
-      stacked = attention.pad_to_even(stacked)
     token_major = fused in ("xla", "cudnn")
     order = (2, 0, 1, 3, 4) if token_major else (2, 0, 3, 1, 4)
     return split_projections(stacked, order)
