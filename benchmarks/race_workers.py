@@ -5,8 +5,9 @@ A workload is a model of `MODELS` in one mode: "train" (vit_jax's real
 train step: forward, backward and AdamW's update) or "infer" (the forward
 pass). `jax_worker` times vit_jax's, `torch_worker` timm's or
 torchvision's with the same dims, eager or under torch.compile; each
-returns the median of its steps after a warm-up step. Every worker runs
-with `worker_environment`, so that both libraries get the same malloc,
+returns the median of its steps after a warm-up step (--steps of them,
+and more until they take MIN_TIMED_SECONDS). Every worker runs with
+`worker_environment`, so that both libraries get the same malloc,
 instruction caps and operand dtype.
 """
 
@@ -79,11 +80,21 @@ def worker_batch(model_name: str, mode: str, batch=None) -> int:
   return batch or MODELS[model_name].batch(mode)
 
 
-def time_steps(run, steps: int) -> float:
-  """Median seconds of `steps` calls of run() after one warm-up call."""
+# A worker times at least this many seconds of steps. Why: 5 steps of a
+# few milliseconds (one image at a time) are the process's first 20 ms
+# after warming up. At --batch=1 with bfloat16 products (Zen 5,
+# 2026-12-04) vit_tiny_cifar inference read 234 images/s for vit_jax and
+# 291 for timm + compile so, and 327 and 358 (then 293 and 292) over a
+# second; at the race's own batches 5 steps already take a second or more.
+MIN_TIMED_SECONDS = 1.0
+
+
+def time_steps(run, steps: int, min_seconds: float = 0.0) -> float:
+  """Median seconds of calls of run() after one warm-up call: `steps`
+  calls, and more until they have taken min_seconds."""
   run()
   times = []
-  for _ in range(steps):
+  while len(times) < steps or sum(times) < min_seconds:
     start = time.perf_counter()
     run()
     times.append(time.perf_counter() - start)
@@ -201,7 +212,7 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
   step = JaxStep(model_name, mode, image_size, patch_size, batch, num_layers)
   memory = step.compiled.memory_analysis()
   flops = step.xla_flops()
-  seconds = time_steps(step, num_steps)
+  seconds = time_steps(step, num_steps, MIN_TIMED_SECONDS)
   return {"images_per_s": step.batch / seconds, "batch": step.batch,
           "flops_per_image": flops / step.batch,
           "compile_s": step.compile_s, "trace_s": step.trace_s,
@@ -255,7 +266,7 @@ def torch_worker(impl: str, model_name: str, mode: str, steps: int,
   start = time.perf_counter()
   run()  # eager warm-up, or torch.compile's compilation
   first = time.perf_counter() - start
-  seconds = time_steps(run, steps)
+  seconds = time_steps(run, steps, MIN_TIMED_SECONDS)
   result = {"images_per_s": batch / seconds, "batch": batch,
             "peak_rss_mib": _peak_rss_mib()}
   if impl.endswith("+compile"):  # eager has nothing to compile

@@ -27,10 +27,11 @@ or one multi-threaded device where the batch does not split evenly; PyTorch
 uses the same cores as intra-op threads.
 Every measurement runs in a fresh process
 (`--worker`), so compile caches, allocator state and threads start alike,
-and takes the median of --steps (5) steps after a warm-up step (2 until
-2026-11-29: the median of two is their mean, so one slow step moved a
-worker's figure; vit_jax's first-round inference workers read up to a
-third below their second rounds then).
+and takes the median of --steps (5) steps, and more until they have
+taken a second (`race_workers.MIN_TIMED_SECONDS`, since 2026-12-04),
+after a warm-up step (2 until 2026-11-29: the median of two is their
+mean, so one slow step moved a worker's figure; vit_jax's first-round
+inference workers read up to a third below their second rounds then).
 Round 1 runs every implementation; round 2 runs vit_jax and the fastest
 PyTorch variant of each workload again, in the other order, and those two are
 compared by the mean of their two rounds (the machine's noise is +-10%).

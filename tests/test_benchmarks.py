@@ -138,6 +138,32 @@ def test_cpu_devices_benchmark_compares_one_device_with_one_per_core():
   assert abs(ratio - per_core / one) < 0.01
 
 
+def test_race_workers_time_steps_until_the_minimum_time_has_passed(
+    monkeypatch):
+  """time_steps: one warm-up call, then at least `steps` timed calls, and
+  more until they have taken min_seconds; their median, not the warm-up's
+  (on a fake clock that each call moves on)."""
+  race_workers = _benchmark_module("race_workers")
+  clock = [0.0]
+  monkeypatch.setattr(race_workers.time, "perf_counter", lambda: clock[0])
+  durations = iter([0.5] + [0.002] * 9 + [0.004] * 100)
+  calls = []
+
+  def run():
+    calls.append(None)
+    clock[0] += next(durations)
+
+  # 9 calls of 2 ms, then 4 ms ones until 0.045 s: 7 more (0.018 + 0.028).
+  assert race_workers.time_steps(run, 3, min_seconds=0.045) == pytest.approx(
+      0.002)
+  assert len(calls) == 1 + 9 + 7
+  calls.clear()
+  durations = iter([0.001] * 10)
+  # No minimum: 3 calls.
+  assert race_workers.time_steps(run, 3) == pytest.approx(0.001)
+  assert len(calls) == 1 + 3
+
+
 def test_throughput_inference_worker_counts_the_forward_pass():
   """The inference worker on two devices (params replicated, batch split):
   XLA's FLOPs per image are the forward's, plus a little elementwise work."""
