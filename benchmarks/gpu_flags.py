@@ -110,7 +110,7 @@ VARIANTS = {
 
 
 def _padded_queries_keys_values_fused(self, x, projections,
-                                      num_query_tokens, products):
+                                      num_query_tokens, fused, products):
   """`MultiHeadSelfAttention._padded_queries_keys_values` as it was up to
   2026-12-04: q, k and v from one product (k and v from one where only
   some tokens query), its output padded to an even token count and cut
@@ -118,8 +118,7 @@ def _padded_queries_keys_values_fused(self, x, projections,
   def padded_and_split(tokens, names):
     stacked = self._project(  # pylint: disable=protected-access
         tokens, [projections[name] for name in names], products)
-    return self_attention.split_projections(attention.pad_to_even(stacked),
-                                            (2, 0, 1, 3, 4))
+    return self._split(attention.pad_to_even(stacked), fused)  # pylint: disable=protected-access
   if num_query_tokens is None:
     return padded_and_split(x, ("query", "key", "value"))
   return (padded_and_split(x[:, :num_query_tokens], ("query",)) +

@@ -161,7 +161,8 @@ class MultiHeadSelfAttention(nn.Module):
     first num_query_tokens tokens where it is given."""
     if attention.needs_even_tokens(fused):
       return self._padded_queries_keys_values(x, projections,
-                                              num_query_tokens, products)
+                                              num_query_tokens, fused,
+                                              products)
     if num_query_tokens is None:
       return self._split(self._project(
           x, [projections[n] for n in ("query", "key", "value")], products),
@@ -174,21 +175,22 @@ class MultiHeadSelfAttention(nn.Module):
 
   def _padded_queries_keys_values(self, x: jax.Array, projections: dict,
                                   num_query_tokens: Optional[int],
-                                  products: str) -> list[jax.Array]:
+                                  fused: str, products: str
+                                  ) -> list[jax.Array]:
     """q, k and v for cuDNN, each (B, T', heads, head_dim) with T' the
     token count made even (`attention.pad_to_even`), each from its own
     product of the padded tokens.
 
     Why three products, not the one of `_project`: padding the fused
     product's output left a slice fusion a block that cut k and v apart,
-    ~5% of ViT-L/16's forward pass on an H200. Three products of the
+    ~6% of ViT-L/16's forward pass on an H200. Three products of the
     tokens padded once run 1.074x faster there (ViT-B/16 1.032x) and
     train level (docs/gpu.md, 2026-12-04)."""
     keys_from = attention.pad_to_even(x)
     queries_from = (keys_from if num_query_tokens is None else
                     attention.pad_to_even(x[:, :num_query_tokens]))
     return [self._split(self._project(tokens, [projections[name]], products),
-                        "cudnn")[0]
+                        fused)[0]
             for name, tokens in (("query", queries_from), ("key", keys_from),
                                  ("value", keys_from))]
 
