@@ -80,6 +80,8 @@ for part in "${parts[@]}"; do
       for mode in train infer; do
         find /tmp/vit_jax_profile/$mode -name '*perfetto_trace*' \
           -exec cp {} "$out/vit_l16_${mode}_trace.json.gz" \;
+        cp /tmp/vit_jax_profile/$mode/optimized_hlo.txt.gz \
+          "$out/vit_l16_${mode}_hlo.txt.gz"
       done
       ;;
     flags)

@@ -173,7 +173,8 @@ def jax_worker(name: str, mode: str, batch: int, profile_dir: str = "",
             "device": jax.devices()[0].device_kind,
             "versions": f"jax {jax.__version__}"}
   if profile_dir:
-    result["profile"] = _profile(jax, run_steps, synchronize, profile_dir)
+    result["profile"] = _profile(jax, run_steps, synchronize, profile_dir,
+                                 hlo)
   return result
 
 
@@ -199,9 +200,17 @@ def _jax_peak_gib(jax) -> float:
   return stats.get("peak_bytes_in_use", 0) / 2**30
 
 
-def _profile(jax, run_steps, synchronize, profile_dir: str) -> dict:
-  """Traces 5 steps; returns GPU time per kernel class (ms per step)."""
+def _profile(jax, run_steps, synchronize, profile_dir: str,
+             hlo_text: str) -> dict:
+  """Traces 5 steps; returns GPU time per kernel class (ms per step) and
+  the busiest kernels' JAX scopes. The compiled program's HLO text goes
+  beside the trace (optimized_hlo.txt.gz), to name any other kernel."""
   import glob  # pylint: disable=import-outside-toplevel
+  import gzip  # pylint: disable=import-outside-toplevel
+  os.makedirs(profile_dir, exist_ok=True)
+  with gzip.open(os.path.join(profile_dir, "optimized_hlo.txt.gz"),
+                 "wt") as f:
+    f.write(hlo_text)
   synchronize()
   start = time.perf_counter()
   with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
@@ -213,7 +222,8 @@ def _profile(jax, run_steps, synchronize, profile_dir: str) -> dict:
   if not traces:
     return {"error": f"no perfetto trace under {profile_dir}"}
   import gpu_profile  # pylint: disable=import-outside-toplevel
-  summary = gpu_profile.kernel_time_by_class(traces[0], num_steps=5)
+  summary = gpu_profile.kernel_time_by_class(traces[0], num_steps=5,
+                                             hlo_text=hlo_text)
   summary["wall_ms_per_step_under_trace"] = wall_ms
   summary["trace_file"] = traces[0]
   return summary

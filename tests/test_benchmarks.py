@@ -626,6 +626,61 @@ def test_gpu_profile_sums_kernels_of_gpu_streams_by_class(tmp_path):
   assert summary["kernels_per_step"] == 2.0
 
 
+def test_gpu_profile_names_fused_kernels_by_their_jax_scope(tmp_path):
+  """fusion_scopes maps each fusion of a compiled program's HLO text, under
+  the name a trace gives its kernel ("." as "_"), to the JAX scope of its
+  operation: here two named scopes of a CPU program, each to its own; a
+  fusion without metadata of its own takes its fused computation's root's.
+  kernel_time_by_class then names the busiest kernels' scopes."""
+  import gzip  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  gpu_profile = _benchmark_module("gpu_profile")
+
+  def program(x):
+    with jax.named_scope("first_scope"):
+      y = jnp.sin(x) * 2 + 1
+    with jax.named_scope("second_scope"):
+      return jnp.sum(jnp.exp(y) * x, axis=1)
+
+  hlo = jax.jit(program).lower(jnp.ones((64, 256))).compile().as_text()
+  scopes = gpu_profile.fusion_scopes(hlo)
+  fusions = re.findall(r"%([\w.]+) = \S+ fusion\(", hlo)
+  assert fusions and all(name.replace(".", "_") in scopes
+                         for name in fusions)
+  assert any("second_scope" in scope for scope in scopes.values())
+  assert "." not in "".join(scopes)
+  synthetic = "\n".join([
+      "%fused_computation.3 (param_0: f32[4]) -> f32[4] {",
+      "  %param_0 = f32[4]{0} parameter(0)",
+      '  ROOT %exp.1 = f32[4]{0} exponential(%param_0), '
+      'metadata={op_name="jit(f)/softmax/exp" source_file="a.py"}',
+      "}",
+      "ENTRY %main (p: f32[4]) -> f32[4] {",
+      "  %p = f32[4]{0} parameter(0)",
+      "  ROOT %loop_exponential_fusion.7 = f32[4]{0} fusion(%p), "
+      "kind=kLoop, calls=%fused_computation.3",
+      "}"])
+  assert gpu_profile.fusion_scopes(synthetic) == {
+      "loop_exponential_fusion_7": "jit(f)/softmax/exp"}
+  events = [{"ph": "M", "name": "process_name", "pid": 2, "tid": 0,
+             "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7,
+             "args": {"name": "Stream #7(Compute)"}},
+            {"ph": "X", "pid": 2, "tid": 7, "ts": 0, "dur": 50,
+             "name": "loop_exponential_fusion_7"},
+            {"ph": "X", "pid": 2, "tid": 7, "ts": 60, "dur": 10,
+             "name": "nvjet_tst_bf16"}]
+  path = tmp_path / "perfetto_trace.json.gz"
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  summary = gpu_profile.kernel_time_by_class(str(path), 1, synthetic)
+  assert summary["top_kernel_scopes"] == {
+      "loop_exponential_fusion_7": "jit(f)/softmax/exp"}
+  assert "top_kernel_scopes" not in gpu_profile.kernel_time_by_class(
+      str(path), 1)
+
+
 def test_throughput_benchmark_names_the_cpu_and_its_isa():
   """The CPU model and ISA flags the benchmark prints (and puts in its
   summary line) are /proc/cpuinfo's."""
