@@ -41,10 +41,15 @@ def kernel_class(name: str) -> str:
   return KERNEL_CLASSES[-1][0]
 
 
-def _load_events(path: str) -> list[dict]:
+def _read_text(path: str) -> str:
+  """A file's text, gunzipped if its name ends in .gz."""
   opener = gzip.open if path.endswith(".gz") else open
   with opener(path, "rt") as f:
-    data = json.load(f)
+    return f.read()
+
+
+def _load_events(path: str) -> list[dict]:
+  data = json.loads(_read_text(path))
   return data["traceEvents"] if isinstance(data, dict) else data
 
 
@@ -112,12 +117,12 @@ def kernel_time_by_class(path: str, num_steps: int,
       end = stop
   per_step = lambda microseconds: round(microseconds / 1e3 / num_steps, 3)
   summary = {"gpu_busy_ms_per_step": per_step(busy),
-          "kernels_per_step": len(kernels) / num_steps,
-          "ms_per_step_by_class": {k: per_step(v)
-                                   for k, v in by_class.most_common()},
-          "top_kernels_ms_per_step": {k: per_step(v)
-                                      for k, v in by_name.most_common(15)},
-          "streams": sorted(thread_names[key] for key in stream_threads)}
+             "kernels_per_step": len(kernels) / num_steps,
+             "ms_per_step_by_class": {k: per_step(v)
+                                      for k, v in by_class.most_common()},
+             "top_kernels_ms_per_step": {k: per_step(v)
+                                         for k, v in by_name.most_common(15)},
+             "streams": sorted(thread_names[key] for key in stream_threads)}
   if hlo_text:
     scopes = fusion_scopes(hlo_text)
     summary["top_kernel_scopes"] = {
@@ -133,11 +138,7 @@ def main():
   parser.add_argument("--hlo", default="",
                       help="the compiled program's HLO text (.gz too)")
   args = parser.parse_args()
-  hlo_text = ""
-  if args.hlo:
-    opener = gzip.open if args.hlo.endswith(".gz") else open
-    with opener(args.hlo, "rt") as f:
-      hlo_text = f.read()
+  hlo_text = _read_text(args.hlo) if args.hlo else ""
   print(json.dumps(kernel_time_by_class(args.trace, args.steps, hlo_text),
                    indent=1))
 
