@@ -359,7 +359,8 @@ def test_gpu_flags_jax_matmul_gradients_are_the_same_gradients():
   """gpu_flags' "JAX's matmul gradients": while active a ViT traces
   without vit_jax's custom backward passes and its gradients are the same
   as with them (float32); before and after, they are there. Its halves
-  take away the MLP's rules or the other Dense layers'."""
+  take away the MLP's rules or the other Dense layers'; "MLP keeps the
+  GELU's output" puts its own rule in the MLP's, with the same gradients."""
   import jax  # pylint: disable=import-outside-toplevel
   gpu_flags = _benchmark_module("gpu_flags")
   model, images, params = _small_vit_off_init(16, 0.1)
@@ -375,13 +376,26 @@ def test_gpu_flags_jax_matmul_gradients_are_the_same_gradients():
                      ("JAX's MLP gradients", "matmul_backward_rule")):
     with gpu_flags.model_paths(gpu_flags.VARIANTS[name]):
       assert rules() == {kept}, name
+  expected = jax.jit(jax.grad(loss))(params)
+  # The MLP's backward pass with the GELU's output kept: its own rule.
+  with gpu_flags.model_paths(gpu_flags.VARIANTS["MLP keeps the GELU's "
+                                                "output"]):
+    assert rules() == {"matmul_backward_rule"}
+    assert "bwd=_mlp_kept_backward" in str(jax.make_jaxpr(loss)(params))
+    _assert_same_gradients(jax.jit(jax.grad(loss))(params), expected)
   # Jitted, a trace inside the variant and one outside: faster than op by
   # op (15.3 -> 13.3 s for this test).
-  expected = jax.jit(jax.grad(loss))(params)
   with gpu_flags.model_paths(gpu_flags.VARIANTS["JAX's matmul gradients"]):
     assert not custom()
     gradients = jax.jit(jax.grad(loss))(params)
   assert custom()
+  _assert_same_gradients(gradients, expected)
+
+
+def _assert_same_gradients(gradients, expected):
+  """Every leaf of gradients equals expected's within float32 rounding,
+  and each of expected's (but the keys' biases) is far from zero."""
+  import jax  # pylint: disable=import-outside-toplevel
   flat_expected = jax.tree_util.tree_flatten_with_path(expected)[0]
   assert len(jax.tree.leaves(gradients)) == len(flat_expected) > 10
   for got, (path, want) in zip(jax.tree.leaves(gradients), flat_expected):
