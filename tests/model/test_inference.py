@@ -77,6 +77,28 @@ def test_the_model_converts_no_prepared_kernel():
       converts(params))
 
 
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+def test_prepared_query_key_value_kernels_stay_bfloat16(classifier):
+  """The q, k and v kernels, concatenated for their one product, are never
+  widened: XLA:CPU runs a bfloat16 concatenation in float32 (each kernel
+  converted up, the result down: 8-9% of a batch-1 `vit_tiny_cifar` forward
+  pass on a Zen 5, docs/performance.md), which the model's concatenation
+  of their bits avoids. With the class token, the last block's query and
+  key/value products are concatenated apart."""
+  model = _model(num_layers=2, mlp_dim=40, classifier=classifier)
+  images = jax.random.normal(jax.random.PRNGKey(1), (1, 16, 16, 3))
+  params = _random_params(model, images)
+  prepared = inference.inference_params(params, jnp.bfloat16)
+  apply = jax.jit(lambda p, x: model.apply({"params": p}, x))
+  hlo = apply.lower(prepared, images).compile().as_text()
+  # (32, 2, 16) kernels, (32, 32) reshaped; (32, 64) and (32, 96) joined.
+  for shape in ("32,2,16", "32,32", "32,64", "32,96"):
+    assert f"f32[{shape}]" not in hlo, shape
+  assert "bf16[32,96]" in hlo  # the concatenation itself, in bfloat16
+  np.testing.assert_array_equal(apply(prepared, images),
+                                apply(params, images))
+
+
 def test_float32_products_and_unknown_paths_are_left_alone():
   params = {"encoderblock_0": {"MlpBlock_3": {"Dense_0": {
       "kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}}},

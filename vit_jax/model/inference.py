@@ -6,13 +6,14 @@ query, key, value and output projections, the MLP's two layers) round
 their float32 kernels to bfloat16 at every call, 6 conversions a block.
 Rounded once beforehand, the model gives the same logits bit for bit,
 from half the kernels' memory, and converts less: XLA drops the output
-projection's and the MLP's bfloat16 -> float32 -> bfloat16 round trips.
-(It still concatenates q, k and v in float32, converting each kernel up
-and the concatenation down, yet that ran quicker than from float32
-kernels too.) A batch-1 forward pass on a 2-core AMD EPYC (Zen 4), medians
-of 200 calls alternating in one process: ViT-Ti/16 @32 px 6.03 -> 4.95 ms,
-@224 px 13.36 -> 12.37 ms (docs/performance.md, *The Zen 4 a
-twenty-second time*).
+projection's and the MLP's bfloat16 -> float32 -> bfloat16 round trips
+(and attention joins its q, k and v kernels as bfloat16 bits,
+`self_attention._concatenate_columns`). A batch-1 forward pass on a 2-core
+AMD EPYC (Zen 4), medians of 200 calls alternating in one process:
+ViT-Ti/16 @32 px 6.03 -> 4.95 ms, @224 px 13.36 -> 12.37 ms
+(docs/performance.md, *The Zen 4 a twenty-second time*); the bitwise
+concatenation then took a Zen 5's from 3.54 to 3.21 ms and 7.43 to 7.16
+ms (*The Zen 5 a seventh time*).
 
 For inference only: training keeps float32 kernels, which AdamW's small
 updates need.
