@@ -39,6 +39,7 @@ def split_kernel_calls(monkeypatch, tasks: int) -> None:
   again with the same shapes would reuse the trace of a test before, with
   the split that test asked for."""
   monkeypatch.setattr(cpu_gemm, "tasks_per_device", lambda: tasks)
+  monkeypatch.setattr(cpu_gemm, "tasks_for_elements", lambda _: tasks)
   jax.clear_caches()
 
 

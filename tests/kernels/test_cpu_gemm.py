@@ -89,6 +89,17 @@ def test_bfloat16_operands_give_the_products_of_the_rounded_values(
 
 
 @needs_onednn
+def test_memory_bound_kernels_split_only_arrays_that_fill_their_tasks(
+    monkeypatch):
+  """A task per MIN_ELEMENTS_PER_TASK of a device's share, at least one,
+  at most the device's cores (here 4)."""
+  monkeypatch.setattr(cpu_gemm, "tasks_per_device", lambda: 4)
+  share = cpu_gemm.MIN_ELEMENTS_PER_TASK * jax.local_device_count("cpu")
+  elements = (0, share - 1, 2 * share - 1, 2 * share, 3 * share, 100 * share)
+  assert [cpu_gemm.tasks_for_elements(n) for n in elements] == [
+      1, 1, 1, 2, 3, 4]
+
+
 def test_wrong_operands_are_named():
   with pytest.raises(ValueError, match=r"\(G, rows, columns\) float32"):
     cpu_gemm.rows_times(jnp.ones((4, 8)), jnp.ones((8, 2)))

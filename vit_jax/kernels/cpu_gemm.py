@@ -140,6 +140,24 @@ def tasks_per_device() -> int:
   return max(1, cpu_info.cpu_cores() // max(1, jax.local_device_count("cpu")))
 
 
+# The fewest elements a task of the LayerNorm kernel takes at inference: handing a task
+# to one of XLA's threads and waiting for it costs a few microseconds,
+# about what a core takes to normalise this many floats. On a 2-core Zen 5
+# one task for the (65, 192) LayerNorms of a batch-1 `vit_tiny_cifar`
+# forward pass made it 4-7% faster with bfloat16 products (level in
+# float32); two tasks stayed faster at ViT-Ti/16's (197, 192)
+# (docs/performance.md, *The Zen 5 a seventh time*).
+MIN_ELEMENTS_PER_TASK = 1 << 14
+
+
+def tasks_for_elements(elements: int) -> int:
+  """`tasks_per_device()`, but no more tasks than a device's share of
+  `elements` (an array's, split over the CPU devices) fills with
+  MIN_ELEMENTS_PER_TASK each; at least one."""
+  per_device = elements // max(1, jax.local_device_count("cpu"))
+  return max(1, min(tasks_per_device(), per_device // MIN_ELEMENTS_PER_TASK))
+
+
 def _primitives(suffix: str) -> tuple:
   """The three products' primitives for operands of one dtype (target
   names end in `suffix`); the results are float32 either way."""

@@ -69,16 +69,26 @@ def _check(x: jax.Array, scale: jax.Array, bias: jax.Array) -> None:
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array,
                epsilon: float) -> jax.Array:
   """(x - mean) / sqrt(var + epsilon) * scale + bias over x's last axis:
-  x (G, R, D), scale and bias (D,) -> (G, R, D), float32."""
-  return _layer_norm_forward(x, scale, bias, epsilon)[0]
+  x (G, R, D), scale and bias (D,) -> (G, R, D), float32.
+
+  Undifferentiated (inference), a small x runs in fewer tasks
+  (`cpu_gemm.tasks_for_elements`); in a train step every LayerNorm keeps
+  the device's tasks, which measured 1-1.5% faster there."""
+  return _normalise(x, scale, bias, epsilon,
+                    cpu_gemm.tasks_for_elements(x.size))[0]
+
+
+def _normalise(x, scale, bias, epsilon, tasks):
+  _check(x, scale, bias)
+  groups = x.shape[0]
+  return _FORWARD.bind(
+      x, cpu_build.per_group(scale, groups), cpu_build.per_group(bias, groups),
+      epsilon=np.float32(epsilon), tasks=tasks)
 
 
 def _layer_norm_forward(x, scale, bias, epsilon):
-  _check(x, scale, bias)
-  groups = x.shape[0]
-  y, mean, rstd = _FORWARD.bind(
-      x, cpu_build.per_group(scale, groups), cpu_build.per_group(bias, groups),
-      epsilon=np.float32(epsilon), tasks=cpu_gemm.tasks_per_device())
+  y, mean, rstd = _normalise(x, scale, bias, epsilon,
+                             cpu_gemm.tasks_per_device())
   return y, (x, scale, mean, rstd)
 
 
