@@ -89,7 +89,7 @@ def test_bfloat16_operands_give_the_products_of_the_rounded_values(
 
 
 @needs_onednn
-def test_memory_bound_kernels_split_only_arrays_that_fill_their_tasks(
+def test_tasks_for_elements_splits_only_arrays_that_fill_the_tasks(
     monkeypatch):
   """A task per MIN_ELEMENTS_PER_TASK of a device's share, at least one,
   at most the device's cores (here 4)."""

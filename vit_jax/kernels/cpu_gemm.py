@@ -140,9 +140,9 @@ def tasks_per_device() -> int:
   return max(1, cpu_info.cpu_cores() // max(1, jax.local_device_count("cpu")))
 
 
-# The fewest elements a task of the LayerNorm kernel takes at inference: handing a task
-# to one of XLA's threads and waiting for it costs a few microseconds,
-# about what a core takes to normalise this many floats. On a 2-core Zen 5
+# The fewest elements a task of the LayerNorm kernel takes at inference:
+# handing a task to one of XLA's threads and waiting for it costs a few
+# microseconds, about what a core takes to normalise this many floats. On a 2-core Zen 5
 # one task for the (65, 192) LayerNorms of a batch-1 `vit_tiny_cifar`
 # forward pass made it 4-7% faster with bfloat16 products (level in
 # float32); two tasks stayed faster at ViT-Ti/16's (197, 192)
