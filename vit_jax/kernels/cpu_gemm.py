@@ -142,10 +142,10 @@ def tasks_per_device() -> int:
 
 # The fewest elements a task of the LayerNorm kernel takes at inference:
 # handing a task to one of XLA's threads and waiting for it costs a few
-# microseconds, about what a core takes to normalise this many floats. On a 2-core Zen 5
-# one task for the (65, 192) LayerNorms of a batch-1 `vit_tiny_cifar`
-# forward pass made it 4-7% faster with bfloat16 products (level in
-# float32); two tasks stayed faster at ViT-Ti/16's (197, 192)
+# microseconds, about what a core takes to normalise this many floats. On
+# a 2-core Zen 5 one task for the (65, 192) LayerNorms of a batch-1
+# `vit_tiny_cifar` forward pass made it 2-7% faster with bfloat16 products
+# (level in float32); two tasks stayed faster at ViT-Ti/16's (197, 192)
 # (docs/performance.md, *The Zen 5 a seventh time*).
 MIN_ELEMENTS_PER_TASK = 1 << 14
 
