@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from vit_jax.model import inference, vit
+from vit_jax.model import inference, self_attention, vit
 
 
 def _random_params(model, images):
@@ -97,6 +97,32 @@ def test_prepared_query_key_value_kernels_stay_bfloat16(classifier):
   assert "bf16[32,96]" in hlo  # the concatenation itself, in bfloat16
   np.testing.assert_array_equal(apply(prepared, images),
                                 apply(params, images))
+
+
+def test_bfloat16_parameters_get_their_query_key_value_gradients(
+    monkeypatch):
+  """Trained in bfloat16 (param_dtype), the q, k and v kernels, joined as
+  bits, get the gradients a plain concatenation gives them, not the zeros
+  JAX gives anything through an integer."""
+  model = _model(num_layers=1, param_dtype=jnp.bfloat16)
+  images = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 16, 3))
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16),
+                        _random_params(model, images))
+
+  def kernel_grads():
+    loss = lambda p: jnp.sum(model.apply({"params": p}, images) ** 2)
+    grads = jax.jit(jax.grad(loss))(params)["Transformer"]["encoderblock_0"][
+        "MultiHeadDotProductAttention_1"]
+    return [np.asarray(grads[name]["kernel"], np.float32)
+            for name in ("query", "key", "value")]
+
+  joined = kernel_grads()
+  monkeypatch.setattr(self_attention, "_concatenate_columns",
+                      lambda kernels: jnp.concatenate(kernels, axis=1))
+  jax.clear_caches()
+  for ours, plain in zip(joined, kernel_grads()):
+    assert np.abs(plain).max() > 0
+    np.testing.assert_array_equal(ours, plain)
 
 
 def test_float32_products_and_unknown_paths_are_left_alone():

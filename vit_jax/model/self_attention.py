@@ -54,15 +54,37 @@ def _concatenate_columns(kernels: list[jax.Array]) -> jax.Array:
   """The (D, n_i) kernels side by side, (D, sum n_i), in their own dtype.
 
   Bfloat16 kernels (`model.inference`) are joined as their bits: XLA:CPU
-  runs a bfloat16 concatenation in float32, each kernel converted up and
-  the result down, 8 thunks a block where this takes one (a batch-1
-  `vit_tiny_cifar` forward pass 8-9% faster on a Zen 5, docs/performance.md).
-  """
+  runs a bfloat16 concatenation in float32, five thunks a block (each
+  kernel converted up, the concatenation, the result converted down)
+  where this takes one (a batch-1 `vit_tiny_cifar` forward pass 8-9%
+  faster on a Zen 5, docs/performance.md)."""
   if kernels[0].dtype != jnp.bfloat16:
     return jnp.concatenate(kernels, axis=1)
-  bits = [jax.lax.bitcast_convert_type(k, jnp.uint16) for k in kernels]
+  return _joined_bits(tuple(kernel.shape[1] for kernel in kernels), *kernels)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _joined_bits(widths: tuple[int, ...], *kernels: jax.Array) -> jax.Array:
+  """Bfloat16 (D, widths[i]) kernels concatenated as 16-bit integers. Its
+  own gradient, the cotangent's columns split: JAX's would be zero, as
+  through any integer."""
+  del widths  # the backward pass's
+  bits = [jax.lax.bitcast_convert_type(kernel, jnp.uint16)
+          for kernel in kernels]
   return jax.lax.bitcast_convert_type(jnp.concatenate(bits, axis=1),
                                       jnp.bfloat16)
+
+
+def _joined_bits_forward(widths, *kernels):
+  return _joined_bits(widths, *kernels), None
+
+
+def _joined_bits_backward(widths, _, joined_grad):
+  starts = [sum(widths[:i]) for i in range(1, len(widths))]
+  return tuple(jnp.split(joined_grad, starts, axis=1))
+
+
+_joined_bits.defvjp(_joined_bits_forward, _joined_bits_backward)
 
 
 class HeadsProjection(nn.Module):
