@@ -88,7 +88,6 @@ def test_bfloat16_operands_give_the_products_of_the_rounded_values(
   assert np.abs(cases[0][2] - x.astype(np.float64) @ kernel).max() > 1e-4
 
 
-@needs_onednn
 def test_tasks_for_elements_splits_only_arrays_that_fill_the_tasks(
     monkeypatch):
   """A task per MIN_ELEMENTS_PER_TASK of a device's share, at least one,
@@ -100,6 +99,7 @@ def test_tasks_for_elements_splits_only_arrays_that_fill_the_tasks(
       1, 1, 1, 2, 3, 4]
 
 
+@needs_onednn
 def test_wrong_operands_are_named():
   with pytest.raises(ValueError, match=r"\(G, rows, columns\) float32"):
     cpu_gemm.rows_times(jnp.ones((4, 8)), jnp.ones((8, 2)))
