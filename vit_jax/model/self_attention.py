@@ -58,6 +58,8 @@ def _concatenate_columns(kernels: list[jax.Array]) -> jax.Array:
   kernel converted up, the concatenation, the result converted down)
   where this takes one (a batch-1 `vit_tiny_cifar` forward pass 8-9%
   faster on a Zen 5, docs/performance.md)."""
+  if len(kernels) == 1:
+    return kernels[0]
   if kernels[0].dtype != jnp.bfloat16:
     return jnp.concatenate(kernels, axis=1)
   return _joined_bits(tuple(kernel.shape[1] for kernel in kernels), *kernels)
