@@ -60,7 +60,7 @@ def _concatenate_columns(kernels: list[jax.Array]) -> jax.Array:
   faster on a Zen 5, docs/performance.md)."""
   if len(kernels) == 1:
     return kernels[0]
-  if kernels[0].dtype != jnp.bfloat16:
+  if any(kernel.dtype != jnp.bfloat16 for kernel in kernels):
     return jnp.concatenate(kernels, axis=1)
   return _joined_bits(tuple(kernel.shape[1] for kernel in kernels), *kernels)
 
