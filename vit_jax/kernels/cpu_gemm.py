@@ -146,7 +146,10 @@ def tasks_per_device() -> int:
 # a 2-core Zen 5 one task for the (65, 192) LayerNorms of a batch-1
 # `vit_tiny_cifar` forward pass made it 2-7% faster with bfloat16 products
 # (level in float32); two tasks stayed faster at ViT-Ti/16's (197, 192)
-# (docs/performance.md, *The Zen 5 a seventh time*).
+# (docs/performance.md, *The Zen 5 a seventh time*). The optimizer kernels
+# size their tasks the same way in C++ (`kElementsPerTask`,
+# csrc/parallel_tasks.h); LayerNorm's is chosen here because only its
+# undifferentiated call takes it.
 MIN_ELEMENTS_PER_TASK = 1 << 14
 
 
