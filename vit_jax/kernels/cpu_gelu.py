@@ -16,11 +16,9 @@ own over the (rows, mlp_dim) activations (an add in the forward pass and a
 column sum in the backward pass, ~23 ms of a ViT-Ti/16 @224 train step
 as XLA's fusions).
 
-`gelu_matmul.mlp` calls it for float32 inputs on a CPU under
-differentiation (training), on (G, rows, mlp_dim) groups of rows (those of
-the oneDNN products where they run). Without differentiation XLA's GELU
-runs instead: it then fuses with the bias add before it into one pass,
-which this kernel cannot join. With bfloat16 products the kernel returns
+`gelu_matmul.mlp` calls it for float32 inputs on a CPU, in training and
+inference, on (G, rows, mlp_dim) groups of rows (those of the oneDNN
+products where they run). With bfloat16 products the kernel returns
 the activations rounded to bfloat16 (`activations_dtype`), which is all
 the products read of them: rounded by XLA, they were a pass of their own.
 Where oneDNN's bfloat16 products take the first product's gradients as
