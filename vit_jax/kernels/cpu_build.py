@@ -50,7 +50,8 @@ UNITS = tuple(tuple(_CSRC / name for name in unit) for unit in (
 SOURCES = sum(UNITS, ())
 HEADERS = tuple(_CSRC / name for name in (
     "attention_core.h", "attention_handlers.h", "bf16_tiles.h",
-    "parallel_tasks.h", "vector_transpose.h", "vectors.h"))
+    "helper_threads.h", "parallel_tasks.h", "vector_transpose.h",
+    "vectors.h"))
 _FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-fPIC", "-w")
 # The instruction set the kernels are compiled for: this CPU's by default;
 # e.g. "x86-64-v3" (AVX2 + FMA) to measure what an AVX2-only CPU would run

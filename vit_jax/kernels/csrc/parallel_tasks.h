@@ -1,49 +1,55 @@
-// Runs a kernel's independent tasks on XLA's intra-op threads, and splits
-// an axis into blocks for them. Internal to the kernels' sources
-// (attention_handlers.h, gemm_cpu.cc, layer_norm_cpu.cc, gelu_cpu.cc).
+// Runs a kernel's independent tasks on the calling thread and the
+// process's helper threads (helper_threads.h), and splits an axis into
+// blocks for them. Internal to the kernels' sources (attention_handlers.h,
+// gemm_cpu.cc, layer_norm_cpu.cc, gelu_cpu.cc, adamw_cpu.cc,
+// sum_of_squares_cpu.cc).
 
 #ifndef VIT_JAX_KERNELS_CSRC_PARALLEL_TASKS_H_
 #define VIT_JAX_KERNELS_CSRC_PARALLEL_TASKS_H_
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <mutex>
+#include <thread>
 
+#include "helper_threads.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace {
 
 // Runs work(task) for every task in [0, tasks), on the calling thread and
-// up to min(tasks, threads) - 1 of XLA's intra-op threads. Tasks are
-// claimed from a shared counter, so a helper that starts late finds
-// nothing and nobody waits on a task that never ran.
+// up to min(tasks, threads, XLA's intra-op threads) - 1 helpers: as many
+// cores as XLA gives the device. Tasks are claimed from a shared counter,
+// so a helper that starts late finds nothing and nobody waits on a task
+// that never ran; the caller waits for the others' by spinning (they are
+// running, and short).
 template <typename Work>
 void ForEachTask(xla::ffi::ThreadPool& pool, int64_t tasks, Work work,
                  int64_t threads = INT64_MAX) {
+  const int64_t helpers =
+      std::min<int64_t>({pool.num_threads(), tasks, threads}) - 1;
+  if (helpers <= 0) {
+    for (int64_t i = 0; i < tasks; ++i) work(i);
+    return;
+  }
   struct State {
     std::atomic<int64_t> next{0}, done{0};
-    std::mutex mutex;
-    std::condition_variable finished;
   };
   auto state = std::make_shared<State>();
   auto run = [state, tasks, work]() {
     for (int64_t i; (i = state->next.fetch_add(1)) < tasks;) {
       work(i);
-      if (state->done.fetch_add(1) + 1 == tasks) {
-        std::lock_guard<std::mutex> lock(state->mutex);
-        state->finished.notify_all();
-      }
+      state->done.fetch_add(1, std::memory_order_release);
     }
   };
-  const int64_t helpers =
-      std::min<int64_t>({pool.num_threads(), tasks, threads}) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(run)(run));
+  vit_jax_kernels::HelperThreads::Get().Run(run, helpers);
   run();
-  std::unique_lock<std::mutex> lock(state->mutex);
-  state->finished.wait(lock, [&] { return state->done.load() == tasks; });
+  for (int spins = 1; state->done.load(std::memory_order_acquire) < tasks;
+       ++spins) {
+    vit_jax_kernels::CpuRelax();
+    if (spins % 64 == 0) std::this_thread::yield();  // a helper on our core
+  }
 }
 
 // Elements of one array a task of the elementwise optimizer kernels takes
