@@ -16,7 +16,7 @@
 // so the results may alias the operands (cpu_adamw.py aliases the
 // moments, and the parameters where it applies the updates). The attribute
 // `tasks` spreads the leaves' chunks (kElementsPerTask elements each,
-// parallel_tasks.h) over that many of XLA's intra-op threads.
+// parallel_tasks.h) over that many threads.
 
 #include <algorithm>
 #include <cstdint>

@@ -1,5 +1,5 @@
 // The attention kernels' XLA FFI handlers over a pair's forward and
-// backward functions: each call's pairs run on XLA's intra-op threads.
+// backward functions: each call's pairs run as tasks (parallel_tasks.h).
 // Internal to attention_cpu.cc and attention_bf16_cpu.cc, which define
 // their handlers with VIT_ATTENTION_HANDLERS.
 

@@ -21,7 +21,7 @@
 // already. The bias is added, and its gradient summed, in the same passes:
 // as XLA fusions of their own they were two more passes over the
 // (rows, n) arrays. The attribute `tasks` splits each group's rows into
-// that many blocks on XLA's intra-op threads.
+// that many blocks (parallel_tasks.h).
 
 #include <algorithm>
 #include <cstdint>

@@ -9,8 +9,8 @@
 //   VitGemm                  c (M, N) = a (M, K) b (K, N)        x.W
 //   VitGemmTransposedRight   c (M, N) = a (M, K) b (N, K)^T      dy.W^T
 //   VitGemmOverRows          c (K, N) = a (R, K)^T b (R, N)      x^T.dy
-// The attribute `tasks` splits each group's product into that many parts on
-// XLA's intra-op threads: blocks of c's rows for the first two (of its
+// The attribute `tasks` splits each group's product into that many parts
+// (parallel_tasks.h): blocks of c's rows for the first two (of its
 // columns where the rows are few and the columns many, kRowsPerTask), of
 // c's columns for the third (whose rows are the contraction). sgemm itself
 // runs on one OpenMP thread: the parallelism is XLA's devices and these

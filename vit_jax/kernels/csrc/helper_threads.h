@@ -24,6 +24,7 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -111,8 +112,10 @@ class HelperThreads {
   }
 
   static int64_t CpusToRunOn() {
+#if defined(__linux__)
     cpu_set_t cpus;
     if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0) return CPU_COUNT(&cpus);
+#endif
     return std::max(1u, std::thread::hardware_concurrency());
   }
 
@@ -128,7 +131,11 @@ class HelperThreads {
   }
 
   void Loop() {
-    pthread_setname_np(pthread_self(), "vit_jax_helper");
+#if defined(__linux__)
+    pthread_setname_np(pthread_self(), "vit_jax_helper");  // for ps and top
+#elif defined(__APPLE__)
+    pthread_setname_np("vit_jax_helper");
+#endif
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
       if (jobs_.empty()) {

@@ -9,8 +9,8 @@
 //                         -> dx (G, R, D), dscale (G, D), dbias (G, D)
 // with y = (x - mean) * rstd * scale + bias, rstd = 1 / sqrt(var + epsilon)
 // (var by two passes over the row, as a float64 reference computes it).
-// The attribute `tasks` splits each group's rows into that many blocks on
-// XLA's intra-op threads; each block sums its own rows' dscale and dbias,
+// The attribute `tasks` splits each group's rows into that many blocks
+// (parallel_tasks.h); each block sums its own rows' dscale and dbias,
 // then the blocks' sums are added per group (the caller's sum over G is the
 // gradient's all-reduce).
 

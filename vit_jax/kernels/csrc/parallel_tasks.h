@@ -76,8 +76,8 @@ struct Blocks {
   }
 };
 
-// Runs work(group, start, length) for every block of every group, as tasks
-// on XLA's intra-op threads (at most `threads` of them).
+// Runs work(group, start, length) for every block of every group, as
+// ForEachTask's tasks (on at most `threads` threads).
 template <typename Work>
 void ForEachBlock(xla::ffi::ThreadPool& pool, int64_t groups,
                   const Blocks& blocks, Work work,

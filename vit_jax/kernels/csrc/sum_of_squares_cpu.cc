@@ -9,8 +9,8 @@
 // vector lanes (a lane adds at most kElementsPerTask / kLanes / kSums
 // squares); the chunks' sums are added in double, in the chunks' order, so
 // the result does not depend on how many threads ran or in what order they
-// finished. The attribute `tasks` spreads the chunks over that many of
-// XLA's intra-op threads.
+// finished. The attribute `tasks` spreads the chunks over that many
+// threads (parallel_tasks.h).
 
 #include <algorithm>
 #include <cstdint>

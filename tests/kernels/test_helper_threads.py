@@ -1,0 +1,113 @@
+"""The threads the C++ kernels split their calls over (csrc/helper_threads.h,
+csrc/parallel_tasks.h): whole results from calls made at once, helpers
+started only as needed, and idle ones asleep, not spinning."""
+
+import concurrent.futures
+import os
+import pathlib
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from vit_jax.kernels import cpu_build, cpu_layer_norm
+
+from helpers import split_kernel_calls  # pylint: disable=wrong-import-order
+
+needs_kernels = pytest.mark.skipif(
+    cpu_build.problem() is not None,
+    reason=f"the C++ kernels cannot run: {cpu_build.problem()}")
+linux_only = pytest.mark.skipif(
+    sys.platform != "linux", reason="reads the threads from /proc (Linux)")
+
+EPSILON = 1e-6
+HELPER_NAME = "vit_jax_helper"
+_TASKS = pathlib.Path("/proc/self/task")
+
+
+def _inputs(seed: int, rows: int):
+  rng = np.random.default_rng(seed)
+  return (rng.normal(size=(1, rows, 64)).astype(np.float32),
+          rng.normal(size=64).astype(np.float32),
+          rng.normal(size=64).astype(np.float32))
+
+
+def _layer_norm():
+  return jax.jit(lambda x, scale, bias: cpu_layer_norm.layer_norm(
+      x, scale, bias, EPSILON))
+
+
+def _helpers() -> list[pathlib.Path]:
+  """The /proc entries of this process's helper threads."""
+  found = []
+  for task in _TASKS.iterdir():
+    try:
+      if (task / "comm").read_text().strip() == HELPER_NAME:
+        found.append(task)
+    except FileNotFoundError:  # a thread that ended meanwhile
+      pass
+  return found
+
+
+def _cpu_seconds(task: pathlib.Path) -> float:
+  """User and system time the thread has run."""
+  fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@needs_kernels
+def test_calls_made_at_once_from_several_threads_are_whole(monkeypatch):
+  """Six threads each normalise their own arrays, 25 times, every call
+  split into 4 tasks that share the process's helpers: each result equals
+  the same array's in one task (a row's result does not depend on the
+  split), so no call returned before its tasks were done or took another
+  call's rows."""
+  inputs = [_inputs(seed, rows) for seed, rows in enumerate(
+      (203, 64, 7, 130, 257, 33))]
+  split_kernel_calls(monkeypatch, 1)
+  one_task = _layer_norm()
+  expected = [np.asarray(one_task(*operands)) for operands in inputs]
+  split_kernel_calls(monkeypatch, 4)
+  split = _layer_norm()
+  for operands in inputs:  # compiled here, not in the threads
+    split(*operands).block_until_ready()
+
+  def normalise_repeatedly(index):
+    return [np.asarray(split(*inputs[index])) for _ in range(25)]
+
+  with concurrent.futures.ThreadPoolExecutor(len(inputs)) as threads:
+    results = list(threads.map(normalise_repeatedly, range(len(inputs))))
+  for index, repeats in enumerate(results):
+    for result in repeats:
+      np.testing.assert_array_equal(result, expected[index])
+
+
+@needs_kernels
+@linux_only
+def test_helpers_start_as_needed_and_sleep_when_idle(monkeypatch):
+  """After calls split into two tasks, one at a time, there are helpers
+  only where the process may run on two CPUs or more, and fewer than its
+  CPUs; 50 ms after the last call (the spin is 1 ms) they sleep and use no
+  CPU time."""
+  split_kernel_calls(monkeypatch, 2)
+  norm = _layer_norm()
+  operands = _inputs(0, 512)
+  for _ in range(20):
+    norm(*operands).block_until_ready()
+  cpus = len(os.sched_getaffinity(0))
+  helpers = _helpers()
+  if cpus >= 2:
+    assert 1 <= len(helpers) <= cpus - 1
+  else:
+    assert not helpers
+  time.sleep(0.05)
+  before = [_cpu_seconds(task) for task in helpers]
+  time.sleep(0.3)
+  after = [_cpu_seconds(task) for task in helpers]
+  tick = 1 / os.sysconf("SC_CLK_TCK")
+  assert all(b - a <= tick for a, b in zip(before, after)), (before, after)
+  # Woken again, they still split the work: the same values.
+  split_kernel_calls(monkeypatch, 1)
+  np.testing.assert_array_equal(norm(*operands), _layer_norm()(*operands))
