@@ -33,6 +33,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -83,13 +84,24 @@ class HelperThreads {
   // where fewer than `count` are idle. Returns at once.
   void Run(const std::function<void()>& job, int64_t count) {
     std::lock_guard<std::mutex> lock(mutex_);
+    count = std::min(count, max_threads_);
+    if (count <= 0) return;  // one CPU: the caller runs every task
     for (int64_t i = 0; i < count; ++i) jobs_.push_back(job);
     queued_.fetch_add(count, std::memory_order_release);
     while (idle_ < static_cast<int64_t>(jobs_.size()) &&
            started_ < max_threads_) {
+      try {
+        std::thread([this] { Loop(); }).detach();
+      } catch (const std::system_error&) {  // no more threads to be had
+        max_threads_ = started_;
+        if (started_ == 0) {  // nobody would take the jobs: the caller will
+          jobs_.clear();
+          queued_.store(0, std::memory_order_relaxed);
+        }
+        break;
+      }
       ++started_;
       ++idle_;
-      std::thread([this] { Loop(); }).detach();
     }
     if (sleeping_ > 0) wake_.notify_all();
   }
@@ -122,12 +134,14 @@ class HelperThreads {
   // Whether a job was queued within the spin time.
   bool SpinForJob() const {
     const auto deadline = std::chrono::steady_clock::now() + spin_;
-    while (queued_.load(std::memory_order_acquire) == 0) {
-      for (int i = 0; i < 64; ++i) CpuRelax();
+    for (;;) {
+      for (int i = 0; i < 64; ++i) {
+        if (queued_.load(std::memory_order_acquire) != 0) return true;
+        CpuRelax();
+      }
       if (std::chrono::steady_clock::now() > deadline) return false;
       sched_yield();  // the core to any thread waiting for it
     }
-    return true;
   }
 
   void Loop() {
@@ -161,7 +175,7 @@ class HelperThreads {
   }
 
   const std::chrono::microseconds spin_;
-  const int64_t max_threads_;
+  int64_t max_threads_;  // guarded by mutex_, as the counts below
   std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<std::function<void()>> jobs_;
