@@ -106,7 +106,11 @@ ffi::Error AdamW(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
                         std::min(kElementsPerTask, size - start),
                         decayed[leaf] != 0});
   }
-  ForEachTask(pool, static_cast<int64_t>(chunks.size()),
+  // Per element: gradient, moments and parameter read, update and moments
+  // written.
+  CallCost cost;
+  for (const AdamWChunk& chunk : chunks) cost.bytes += 7 * 4 * chunk.length;
+  ForEachTask(pool, cost, static_cast<int64_t>(chunks.size()),
               [&](int64_t task) { UpdateChunk(chunks[task], constants); },
               tasks);
   return ffi::Error::Success();

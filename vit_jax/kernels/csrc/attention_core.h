@@ -195,8 +195,7 @@ struct Shape {
   int64_t q_row, kv_row, o_row;
   float scale;  // of the logits q k^T
   // The threads a call's pairs run on: this device's cores (with a device
-  // per core, 1: a helper from XLA's pool would take another device's
-  // core).
+  // per core, 1: another thread would take another device's core).
   int64_t threads;
 };
 

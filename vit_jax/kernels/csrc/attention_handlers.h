@@ -184,10 +184,21 @@ typedef void (*BackwardPairFunction)(const Shape&, const float*, const float*,
 
 // The forward pass of every pair, a block of its queries to a task. p is
 // null for inference: the probabilities then stay in scratch.
+// A call's pairs' q, k, v, output and probabilities (the latter written
+// twice over in the backward pass, with the gradients), and their two
+// products (four in the backward pass): an estimate of its time.
+CallCost AttentionCost(const Shape& s, int64_t passes) {
+  const int64_t pairs = s.batch * s.heads, tq = s.query_tokens,
+                tk = s.key_tokens, d = s.head_dim;
+  return {passes * pairs * 4 * ((2 * tq + 2 * tk) * d + tq * s.padded_keys),
+          passes * pairs * 4 * tq * tk * d};
+}
+
 void Forward(ffi::ThreadPool& pool, const Shape& s, const Operands& in,
              float* o, float* p, ForwardPairFunction forward_pair) {
   const int64_t tq = s.query_tokens;
-  ForEachBlock(pool, s.batch * s.heads, QueryBlocks(s, pool),
+  ForEachBlock(pool, AttentionCost(s, 1), s.batch * s.heads,
+               QueryBlocks(s, pool),
                [=](int64_t i, int64_t start, int64_t length) {
     const BiasedPair pair = WithBias(s, in, i, start, length);
     forward_pair(BlockShape(s, length, s.kv_row), pair.q, pair.k, pair.v,
@@ -222,7 +233,7 @@ void Backward(ffi::ThreadPool& pool, const Shape& s, const Operands& in,
   // Per pair and block: its dk, then its dv, (Tk x D) each.
   std::vector<float> scratch(split > 1 ? pairs * split * 2 * kv : 0);
   float* const parts = scratch.data();
-  ForEachBlock(pool, pairs, blocks,
+  ForEachBlock(pool, AttentionCost(s, 2), pairs, blocks,
                [=](int64_t i, int64_t start, int64_t length) {
     const int64_t ko = PairOffset(s, i, tk, s.kv_row);
     const BiasedPair pair = WithBias(s, in, i, start, length);
@@ -235,7 +246,9 @@ void Backward(ffi::ThreadPool& pool, const Shape& s, const Operands& in,
     if (split == 1) BiasGradient(s, i, dq, dk, dv, dbias);
   }, s.threads);
   if (split == 1) return;
-  ForEachTask(pool, pairs, [=](int64_t i) {
+  // Each pair's blocks' dk and dv read, its own written.
+  const CallCost sums{4 * pairs * (split + 1) * 2 * kv};
+  ForEachTask(pool, sums, pairs, [=](int64_t i) {
     const int64_t ko = PairOffset(s, i, tk, s.kv_row);
     SumBlocks(tk, d, split, parts + i * split * 2 * kv, s.kv_row, dk + ko,
               dv + ko);

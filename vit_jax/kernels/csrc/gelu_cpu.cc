@@ -156,7 +156,8 @@ ffi::Error GeluForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
     return error;
   const float *hp = h.typed_data(), *bp = bias.typed_data();
   auto* ap = reinterpret_cast<ElementOf<kActivations>*>(a->typed_data());
-  ForEachBlock(pool, s.groups, Blocks(s.rows, tasks, 1),
+  const CallCost cost{static_cast<int64_t>(h.size_bytes() + a->size_bytes())};
+  ForEachBlock(pool, cost, s.groups, Blocks(s.rows, tasks, 1),
                [=](int64_t g, int64_t start, int64_t length) {
                  const float* b = bp + g * s.n;
                  ForEachVector(s, g, start, length,
@@ -188,7 +189,9 @@ ffi::Error GeluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
   // Each block's column sums, added up per group once all have run.
   std::vector<float> sums(s.groups * blocks.count() * s.n, 0.0f);
   float* sums_p = sums.data();
-  ForEachBlock(pool, s.groups, blocks,
+  const CallCost cost{static_cast<int64_t>(
+      h.size_bytes() + da.size_bytes() + a->size_bytes() + dh->size_bytes())};
+  ForEachBlock(pool, cost, s.groups, blocks,
                [=](int64_t g, int64_t start, int64_t length) {
                  const float* b = bp + g * s.n;
                  const int64_t block = start / blocks.step;

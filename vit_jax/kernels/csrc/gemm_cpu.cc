@@ -89,6 +89,15 @@ ffi::Error CheckShapes(const ffi::Buffer<kType>& a,
   return ffi::Error::Success();
 }
 
+// A product's operands and result, and its multiply-adds.
+template <ffi::DataType kType>
+CallCost ProductCost(const ffi::Buffer<kType>& a, const ffi::Buffer<kType>& b,
+                     const ffi::Buffer<ffi::F32>& c, int64_t multiply_adds) {
+  return {static_cast<int64_t>(a.size_bytes() + b.size_bytes() +
+                               c.size_bytes()),
+          2 * multiply_adds};
+}
+
 // With fewer than kRowsPerTask of c's rows per task and at least
 // kColumnsPerTask of its columns, x.W and dy.W^T split c's columns instead
 // of its rows. oneDNN's sgemm runs rows in whole tiles (48 on AVX-512), so
@@ -124,8 +133,9 @@ ffi::Error RowsTimes(ffi::ThreadPool pool, ffi::Buffer<kType> a,
   std::atomic<int>* sp = &status;
   const char b_layout = kTransposedRight ? 'T' : 'N';
   const int64_t ldb = kTransposedRight ? k : n;
+  const CallCost cost = ProductCost(a, b, *c, groups * m * n * k);
   if (m < kRowsPerTask * tasks && n >= kColumnsPerTask * tasks) {
-    ForEachBlock(pool, groups, Blocks(n, tasks, 16),
+    ForEachBlock(pool, cost, groups, Blocks(n, tasks, 16),
                  [=](int64_t g, int64_t c0, int64_t columns) {
                    // Column c0 of b: an offset of c0 rows of b^T.
                    const int64_t b0 = kTransposedRight ? c0 * k : c0;
@@ -133,7 +143,7 @@ ffi::Error RowsTimes(ffi::ThreadPool pool, ffi::Buffer<kType> a,
                         bp + g * k * n + b0, ldb, cp + g * m * n + c0, n, sp);
                  });
   } else {
-    ForEachBlock(pool, groups, Blocks(m, tasks, 16),
+    ForEachBlock(pool, cost, groups, Blocks(m, tasks, 16),
                  [=](int64_t g, int64_t r0, int64_t rows) {
                    Gemm('N', b_layout, rows, n, k, ap + (g * m + r0) * k, k,
                         bp + g * k * n, ldb, cp + (g * m + r0) * n, n, sp);
@@ -160,7 +170,8 @@ ffi::Error OverRows(ffi::ThreadPool pool, ffi::Buffer<kType> a,
   float* cp = c->typed_data();
   std::atomic<int> status{0};
   std::atomic<int>* sp = &status;
-  ForEachBlock(pool, groups, Blocks(n, tasks, 16),
+  ForEachBlock(pool, ProductCost(a, b, *c, groups * r * k * n), groups,
+               Blocks(n, tasks, 16),
                [=](int64_t g, int64_t c0, int64_t columns) {
                  Gemm('T', 'N', k, columns, r, ap + g * r * k, k,
                       bp + g * r * n + c0, n, cp + g * k * n + c0, n, sp);

@@ -115,7 +115,9 @@ ffi::Error LayerNormForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
               *bp = bias.typed_data();
   float *yp = y->typed_data(), *mp = mean->typed_data(),
         *rp = rstd->typed_data();
-  ForEachBlock(pool, groups, Blocks(rows, tasks, 1),
+  // x read, y written.
+  const CallCost cost{2 * static_cast<int64_t>(x.size_bytes())};
+  ForEachBlock(pool, cost, groups, Blocks(rows, tasks, 1),
                [=](int64_t g, int64_t start, int64_t length) {
                  const int64_t row = g * rows + start;
                  ForwardRows(xp + row * d, sp + g * d, bp + g * d, length, d,
@@ -147,7 +149,9 @@ ffi::Error LayerNormBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t count = blocks.count();
   std::vector<float> sums(2 * groups * count * d, 0.0f);
   float* sums_p = sums.data();
-  ForEachBlock(pool, groups, blocks,
+  // x and dy read, dx written.
+  const CallCost cost{3 * static_cast<int64_t>(x.size_bytes())};
+  ForEachBlock(pool, cost, groups, blocks,
                [=](int64_t g, int64_t start, int64_t length) {
                  const int64_t row = g * rows + start;
                  float* block_sums =

@@ -1,16 +1,18 @@
-// Runs a kernel's independent tasks on the calling thread and the
-// process's helper threads (helper_threads.h), and splits an axis into
-// blocks for them. Internal to the kernels' sources (attention_handlers.h,
-// gemm_cpu.cc, layer_norm_cpu.cc, gelu_cpu.cc, adamw_cpu.cc,
-// sum_of_squares_cpu.cc).
+// Runs a kernel's independent tasks on the calling thread and others, and
+// splits an axis into blocks for them. Internal to the kernels' sources
+// (attention_handlers.h, gemm_cpu.cc, layer_norm_cpu.cc, gelu_cpu.cc,
+// adamw_cpu.cc, sum_of_squares_cpu.cc).
 
 #ifndef VIT_JAX_KERNELS_CSRC_PARALLEL_TASKS_H_
 #define VIT_JAX_KERNELS_CSRC_PARALLEL_TASKS_H_
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 #include "helper_threads.h"
@@ -18,37 +20,79 @@
 
 namespace {
 
+// What a kernel call reads and writes and computes, all its tasks
+// together: a rough time on one core (~16 bytes and ~256 flops a
+// nanosecond; within a few times of any current CPU's, which is all the
+// choice of threads below needs).
+struct CallCost {
+  int64_t bytes = 0, flops = 0;
+  int64_t Nanoseconds() const { return bytes / 16 + flops / 256; }
+};
+
+// Calls whose share for each thread is estimated shorter than this run on
+// the spinning helpers (helper_threads.h), longer ones on XLA's intra-op
+// threads. Why: a helper saves a call the wake-up of a sleeping thread
+// (~30 us on a Zen 5 guest), which a long one hardly notices; but XLA runs its own work on its
+// threads at the same time (other independent ops, and the halves of its
+// larger fusions), and helpers are threads beyond those, more than there
+// are cores. A ViT-B/16 batch-1 bfloat16 train step took 220 ms with
+// every kernel's tasks on helpers, 190-200 with all on XLA's threads, and
+// as fast with only the products over ~0.2 ms a thread on XLA's threads
+// (docs/performance.md, *The Zen 5 an eighth time*).
+constexpr int64_t kHelperTaskNanoseconds = 200000;
+
+// How long the caller, its own tasks done, spins for the others' to finish
+// before it sleeps until they have.
+constexpr auto kCallerSpin = std::chrono::microseconds(50);
+
 // Runs work(task) for every task in [0, tasks), on the calling thread and
-// up to min(tasks, threads, XLA's intra-op threads) - 1 helpers: as many
-// cores as XLA gives the device. Tasks are claimed from a shared counter,
-// so a helper that starts late finds nothing and nobody waits on a task
-// that never ran; the caller waits for the others' by spinning (they are
-// running, and short).
+// up to min(tasks, threads, XLA's intra-op threads) - 1 others: as many
+// cores as XLA gives the device; helpers or XLA's threads as `cost` says.
+// Tasks are claimed from a shared counter, so a thread that starts late
+// finds nothing and nobody waits on a task that never ran.
 template <typename Work>
-void ForEachTask(xla::ffi::ThreadPool& pool, int64_t tasks, Work work,
-                 int64_t threads = INT64_MAX) {
-  const int64_t helpers =
+void ForEachTask(xla::ffi::ThreadPool& pool, CallCost cost, int64_t tasks,
+                 Work work, int64_t threads = INT64_MAX) {
+  const int64_t others =
       std::min<int64_t>({pool.num_threads(), tasks, threads}) - 1;
-  if (helpers <= 0) {
+  if (others <= 0) {
     for (int64_t i = 0; i < tasks; ++i) work(i);
     return;
   }
   struct State {
     std::atomic<int64_t> next{0}, done{0};
+    std::atomic<bool> caller_sleeps{false};
+    std::mutex mutex;
+    std::condition_variable finished;
   };
   auto state = std::make_shared<State>();
   auto run = [state, tasks, work]() {
     for (int64_t i; (i = state->next.fetch_add(1)) < tasks;) {
       work(i);
-      state->done.fetch_add(1, std::memory_order_release);
+      // Sequentially consistent, as the caller's store of caller_sleeps and
+      // load of done: one of the two sees the other's.
+      if (state->done.fetch_add(1) + 1 == tasks &&
+          state->caller_sleeps.load()) {
+        std::lock_guard<std::mutex> lock(state->mutex);
+        state->finished.notify_all();
+      }
     }
   };
-  vit_jax_kernels::HelperThreads::Get().Run(run, helpers);
+  // Each thread's share of the call: how long it will be busy.
+  if (cost.Nanoseconds() / (others + 1) < kHelperTaskNanoseconds) {
+    vit_jax_kernels::HelperThreads::Get().Run(run, others);
+  } else {
+    for (int64_t h = 0; h < others; ++h) pool.Schedule(decltype(run)(run));
+  }
   run();
-  for (int spins = 1; state->done.load(std::memory_order_acquire) < tasks;
-       ++spins) {
-    vit_jax_kernels::CpuRelax();
-    if (spins % 64 == 0) std::this_thread::yield();  // a helper on our core
+  const auto spin_until = std::chrono::steady_clock::now() + kCallerSpin;
+  while (state->done.load(std::memory_order_acquire) < tasks) {
+    for (int i = 0; i < 64; ++i) vit_jax_kernels::CpuRelax();
+    if (std::chrono::steady_clock::now() > spin_until) {
+      std::unique_lock<std::mutex> lock(state->mutex);
+      state->caller_sleeps.store(true);
+      state->finished.wait(lock, [&] { return state->done.load() == tasks; });
+    }
   }
 }
 
@@ -79,10 +123,10 @@ struct Blocks {
 // Runs work(group, start, length) for every block of every group, as
 // ForEachTask's tasks (on at most `threads` threads).
 template <typename Work>
-void ForEachBlock(xla::ffi::ThreadPool& pool, int64_t groups,
+void ForEachBlock(xla::ffi::ThreadPool& pool, CallCost cost, int64_t groups,
                   const Blocks& blocks, Work work,
                   int64_t threads = INT64_MAX) {
-  ForEachTask(pool, groups * blocks.count(), [=](int64_t task) {
+  ForEachTask(pool, cost, groups * blocks.count(), [=](int64_t task) {
     const int64_t block = task % blocks.count();
     work(task / blocks.count(), blocks.Start(block), blocks.Length(block));
   }, threads);

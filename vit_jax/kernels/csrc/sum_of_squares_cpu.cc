@@ -67,7 +67,9 @@ ffi::Error SumOfSquares(ffi::ThreadPool pool, ffi::RemainingArgs args,
           {data, start, std::min(kElementsPerTask, size - start)});
   }
   std::vector<double> chunk_sums(chunks.size());
-  ForEachTask(pool, static_cast<int64_t>(chunks.size()),
+  CallCost cost;
+  for (const SquaresChunk& chunk : chunks) cost.bytes += 4 * chunk.length;
+  ForEachTask(pool, cost, static_cast<int64_t>(chunks.size()),
               [&](int64_t task) {
                 chunk_sums[task] = SumChunkSquares(chunks[task]);
               },
