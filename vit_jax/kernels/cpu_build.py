@@ -16,6 +16,13 @@ path instead (or raises, where the user asked for the kernel).
 `batch_partitionable` binds a handler as a JAX primitive that shards over
 its leading axes: under `jax.jit` with a batch-split mesh each device runs
 the kernel on its own part, with no gathering.
+
+Where a device has several cores (one image at a time), a kernel splits a
+call into tasks (its `tasks` attribute): short calls' on helper threads
+that spin for the next task before they sleep
+(`$VIT_JAX_KERNEL_SPIN_US` microseconds, default 1000; 0 sleeps at once),
+long ones' on XLA's threads (`csrc/helper_threads.h`,
+`csrc/parallel_tasks.h`).
 """
 
 import ctypes
