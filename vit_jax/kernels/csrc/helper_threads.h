@@ -1,9 +1,10 @@
-// The threads that run the kernels' tasks beside the calling thread, one
-// set for the whole process (parallel_tasks.h hands them work). Internal
-// to the kernels' sources.
+// The threads that run the kernels' short calls' tasks beside the calling
+// thread, one set for the whole process (parallel_tasks.h hands them work;
+// long calls' tasks go to XLA's intra-op threads). Internal to the
+// kernels' sources.
 //
-// Why not XLA's intra-op threads, which ran them before: an idle one
-// sleeps, and waking it costs more than a small task. On a 2-core Zen 5
+// Why not XLA's threads for all: an idle one sleeps, and waking it costs
+// more than a small task. On a 2-core Zen 5
 // guest a bfloat16 product of 65 x 192 x 768 (a batch-1 vit_tiny_cifar
 // MLP's) took 45 us on one thread, 47-52 us split over two when the second
 // was woken for it, and 24-26 us when the second was waiting in a spin;
@@ -56,7 +57,7 @@ inline void CpuRelax() {
 
 // How long an idle helper spins for the next task before it sleeps: long
 // enough to span a step's gaps between kernels and the dispatch between
-// steps (~0.4 ms at batch 1), as OpenMP's default spin does.
+// steps (~0.4 ms at batch 1); OpenMP runtimes' threads spin a while too.
 constexpr int64_t kSpinMicroseconds = 1000;
 
 class HelperThreads {
