@@ -182,8 +182,6 @@ typedef void (*BackwardPairFunction)(const Shape&, const float*, const float*,
                                      const float*, const float*, const float*,
                                      float*, float*, float*);
 
-// The forward pass of every pair, a block of its queries to a task. p is
-// null for inference: the probabilities then stay in scratch.
 // A call's pairs' q, k, v, output and probabilities (the latter written
 // twice over in the backward pass, with the gradients), and their two
 // products (four in the backward pass): an estimate of its time.
@@ -194,6 +192,8 @@ CallCost AttentionCost(const Shape& s, int64_t passes) {
           passes * pairs * 4 * tq * tk * d};
 }
 
+// The forward pass of every pair, a block of its queries to a task. p is
+// null for inference: the probabilities then stay in scratch.
 void Forward(ffi::ThreadPool& pool, const Shape& s, const Operands& in,
              float* o, float* p, ForwardPairFunction forward_pair) {
   const int64_t tq = s.query_tokens;
