@@ -141,8 +141,10 @@ def tasks_per_device() -> int:
 
 
 # The fewest elements a task of the LayerNorm kernel takes at inference:
-# handing a task to one of XLA's threads and waiting for it costs a few
-# microseconds, about what a core takes to normalise this many floats. On
+# handing a task to another thread and waiting for it costs a few
+# microseconds, about what a core takes to normalise this many floats
+# (measured with XLA's threads, before the spinning helpers of
+# csrc/helper_threads.h, which make the hand-off cheaper). On
 # a 2-core Zen 5 one task for the (65, 192) LayerNorms of a batch-1
 # `vit_tiny_cifar` forward pass made it 2-7% faster with bfloat16 products
 # (level in float32); two tasks stayed faster at ViT-Ti/16's (197, 192)

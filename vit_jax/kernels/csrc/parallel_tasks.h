@@ -32,10 +32,10 @@ struct CallCost {
 // Calls whose share for each thread is estimated shorter than this run on
 // the spinning helpers (helper_threads.h), longer ones on XLA's intra-op
 // threads. Why: a helper saves a call the wake-up of a sleeping thread
-// (~30 us on a Zen 5 guest), which a long one hardly notices; but XLA runs its own work on its
-// threads at the same time (other independent ops, and the halves of its
-// larger fusions), and helpers are threads beyond those, more than there
-// are cores. A ViT-B/16 batch-1 bfloat16 train step took 220 ms with
+// (~30 us on a Zen 5 guest), which a long one hardly notices; but XLA
+// runs its own work on its threads at the same time (other independent
+// ops, and the halves of its larger fusions), and helpers are threads
+// beyond those, more than there are cores. A ViT-B/16 batch-1 bfloat16 train step took 220 ms with
 // every kernel's tasks on helpers, 190-200 with all on XLA's threads, and
 // as fast with only the products over ~0.2 ms a thread on XLA's threads
 // (docs/performance.md, *The Zen 5 an eighth time*).
