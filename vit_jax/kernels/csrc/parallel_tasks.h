@@ -35,9 +35,10 @@ struct CallCost {
 // (~30 us on a Zen 5 guest), which a long one hardly notices; but XLA
 // runs its own work on its threads at the same time (other independent
 // ops, and the halves of its larger fusions), and helpers are threads
-// beyond those, more than there are cores. A ViT-B/16 batch-1 bfloat16 train step took 220 ms with
-// every kernel's tasks on helpers, 190-200 with all on XLA's threads, and
-// as fast with only the products over ~0.2 ms a thread on XLA's threads
+// beyond those, more than there are cores. A ViT-B/16 batch-1 bfloat16
+// train step took 220 ms with every kernel's tasks on helpers, 190-200
+// with all on XLA's threads, and as fast with only the products over
+// ~0.2 ms a thread on XLA's threads
 // (docs/performance.md, *The Zen 5 an eighth time*).
 constexpr int64_t kHelperTaskNanoseconds = 200000;
 
