@@ -101,8 +101,14 @@ def parse_hlo(text: str) -> HloModule:
 
 def dims(shape: str) -> tuple[int, ...]:
   """f32[4160,576]{1,0} -> (4160, 576); the first array of a tuple."""
-  found = re.search(r"\w+\[([\d,]*)\]", shape)
-  return tuple(int(d) for d in found.group(1).split(",") if d) if found else ()
+  arrays = all_dims(shape)
+  return arrays[0] if arrays else ()
+
+
+def all_dims(shape: str) -> list[tuple[int, ...]]:
+  """Each array's dimensions in a shape or tuple of shapes."""
+  return [tuple(int(d) for d in found.split(",") if d)
+          for found in re.findall(r"\w+\[([\d,]*)\]", shape)]
 
 
 def _attribute_dims(attributes: str, key: str) -> tuple[int, ...]:
@@ -129,9 +135,12 @@ _GEMM_TARGETS = {"VitGemm": (DENSE_KINDS[0], 2),
 def gemm_flops(call: Instruction, module: HloModule, contracted_axis: int
                ) -> float:
   """2 x output elements x contracted length of a oneDNN product's call,
-  which contracts `contracted_axis` of its first operand."""
+  which contracts `contracted_axis` of its first operand (the elements of
+  every result: x^T.dy writes the gradients of kernels side by side
+  apart)."""
   first = dims(module.instructions[call.operands[0]].shape)
-  return 2.0 * math.prod(dims(call.shape)) * first[contracted_axis]
+  return 2.0 * sum(math.prod(d) for d in all_dims(call.shape)) * (
+      first[contracted_axis])
 
 
 def _fused(instruction: Instruction, module: HloModule) -> list[Instruction]:

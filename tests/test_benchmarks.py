@@ -1042,6 +1042,13 @@ def test_cpu_profile_tells_each_thunk_kind_apart():
         "custom-call.3", shape + "{2,1,0}", "custom-call", operands,
         f'custom_call_target="{target}"', False, -1)
     assert hlo_kinds.classify(call, module) == (product, 2 * 8 * 4 * 6)
+  # The gradients of two kernels side by side, (4, 2) and (4, 4), apart.
+  split = hlo_kinds.Instruction(
+      "custom-call.4", "(f32[1,4,2]{2,1,0}, f32[1,4,4]{2,1,0})",
+      "custom-call", ("x", "dy"), 'custom_call_target="VitGemmOverRows"',
+      False, -1)
+  assert hlo_kinds.classify(split, module) == (
+      "x^T.dy (weight gradients)", 2 * 8 * 4 * 6)
   assert kind("all-reduce.1")[0] == "all-reduce (waiting included)"
   assert kind("transpose_copy_fusion")[0] == "copies and transposes"
   assert kind("wrapped_reduce-window")[0] == "LayerNorm"

@@ -58,6 +58,57 @@ def test_the_three_products_match_a_float64_reference(
 
 
 @needs_onednn
+@pytest.mark.parametrize("operand_dtype", [None, jnp.bfloat16])
+@pytest.mark.parametrize("tasks", [1, 2, 3])
+@pytest.mark.parametrize("groups,rows,depth,widths", [
+    (1, 65, 192, (192, 192, 192)),   # vit_tiny_cifar's q, k, v, one image
+    (2, 37, 20, (50, 3)),            # unequal widths, by rows
+    (1, 17, 600, (300, 300, 300)),   # few rows: x.W and dy.W^T by columns
+    (1, 9, 24, (250, 7, 300, 1)),    # column blocks across the kernels
+    (2, 2100, 24, (40, 8, 56))])     # copied together in 1 or 2 tasks
+def test_kernels_side_by_side_are_their_concatenation(
+    monkeypatch, operand_dtype, tasks, groups, rows, depth, widths):
+  """x.W and dy.W^T with several kernels read side by side give the
+  products with their concatenation (the float64 product of the operands
+  as the gemms read them), and x^T.dy with `widths` its column blocks
+  apart; under every task split, by rows or columns, whose blocks may
+  straddle two kernels, and where a task's many rows have the kernels
+  copied together (`kJoinRowsPerTask`, 1,024)."""
+  if operand_dtype is not None and "avx512f" not in (
+      cpu_info.cpu_features()[1]):
+    pytest.skip("oneDNN's bfloat16 gemm needs AVX-512 (this CPU has none)")
+  split_kernel_calls(monkeypatch, tasks)
+  x = _normal(20, groups, rows, depth)
+  dy = _normal(21, groups, rows, sum(widths))
+  kernels = [_normal(22 + i, depth, width) for i, width in enumerate(widths)]
+  joined = np.concatenate(kernels, axis=1)
+  options = dict(operand_dtype=operand_dtype)
+  rounded = lambda a: np.asarray(jnp.asarray(a).astype(
+      operand_dtype or jnp.float32)).astype(np.float64)
+  product = jax.jit(lambda x, ks: cpu_gemm.rows_times(x, ks, **options))(
+      x, kernels)
+  np.testing.assert_allclose(product, rounded(x) @ rounded(joined),
+                             rtol=1e-5, atol=1e-4)
+  input_grad = jax.jit(lambda dy, ks: cpu_gemm.rows_times_transposed(
+      dy, ks, **options))(dy, kernels)
+  np.testing.assert_allclose(input_grad, rounded(dy) @ rounded(joined).T,
+                             rtol=1e-5, atol=1e-4 * np.sqrt(sum(widths)))
+  gradients = jax.jit(lambda x, dy: cpu_gemm.rows_transposed_times(
+      x, dy, widths=widths, **options))(x, dy)
+  expected = np.einsum("grk,grn->kn", rounded(x), rounded(dy))
+  starts = np.cumsum((0,) + widths)
+  assert [g.shape for g in gradients] == [(depth, w) for w in widths]
+  for gradient, start, width in zip(gradients, starts, widths):
+    assert gradient.dtype == jnp.float32
+    np.testing.assert_allclose(gradient, expected[:, start:start + width],
+                               rtol=1e-5, atol=1e-4 * np.sqrt(rows))
+  with pytest.raises(ValueError, match=r"widths \(5,\) do not add up"):
+    cpu_gemm.rows_transposed_times(x, dy, widths=(5,))
+  with pytest.raises(ValueError, match="kernels of one K"):
+    cpu_gemm.rows_times(x, [kernels[0], kernels[0][:-1]])
+
+
+@needs_onednn
 @needs_bfloat16_gemm
 @pytest.mark.parametrize("tasks", [1, 3])
 @pytest.mark.parametrize("groups,rows,depth,width", [

@@ -2,12 +2,15 @@
 Dense kernels in the products' dtype, the same logits bit for bit, and
 nothing else touched."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import traverse_util
 
+from vit_jax.kernels import matmuls
 from vit_jax.model import inference, self_attention, vit
 
 
@@ -77,52 +80,40 @@ def test_the_model_converts_no_prepared_kernel():
       converts(params))
 
 
+@pytest.mark.parametrize("implementation", ["xla", "onednn"])
 @pytest.mark.parametrize("classifier", ["token", "gap"])
-def test_prepared_query_key_value_kernels_stay_bfloat16(classifier):
-  """The q, k and v kernels, concatenated for their one product, are never
-  widened: XLA:CPU runs a bfloat16 concatenation in float32 (each kernel
-  converted up, the result down: 8-9% of a batch-1 `vit_tiny_cifar` forward
-  pass on a Zen 5, docs/performance.md), which the model's concatenation
-  of their bits avoids. With the class token, the last block's query and
-  key/value products are concatenated apart."""
-  model = _model(num_layers=2, mlp_dim=40, classifier=classifier)
+def test_prepared_query_key_value_kernels_stay_bfloat16(classifier,
+                                                        implementation):
+  """The q, k and v kernels of their one product: joined in bfloat16 for
+  XLA's products, neither widened nor joined for oneDNN's, which read them
+  side by side. XLA:CPU runs a bfloat16 concatenation in float32 (each
+  kernel converted up, the result down: 8-9% of a batch-1
+  `vit_tiny_cifar` forward pass on a Zen 5, docs/performance.md), which
+  the model's concatenation of their bits avoids. With the class token,
+  the last block's query and key/value products are joined apart."""
+  if implementation == "onednn" and matmuls.resolve_implementation(
+      "auto", jnp.float32, jnp.bfloat16) != "onednn":
+    pytest.skip("oneDNN's bfloat16 products do not run on this CPU")
+  model = _model(num_layers=2, mlp_dim=40, classifier=classifier,
+                 matmul_implementation=implementation)
   images = jax.random.normal(jax.random.PRNGKey(1), (1, 16, 16, 3))
   params = _random_params(model, images)
   prepared = inference.inference_params(params, jnp.bfloat16)
   apply = jax.jit(lambda p, x: model.apply({"params": p}, x))
   hlo = apply.lower(prepared, images).compile().as_text()
-  # (32, 2, 16) kernels, (32, 32) reshaped; (32, 64) and (32, 96) joined.
-  for shape in ("32,2,16", "32,32", "32,64", "32,96"):
-    assert f"f32[{shape}]" not in hlo, shape
-  assert "bf16[32,96]" in hlo  # the concatenation itself, in bfloat16
+  if implementation == "xla":
+    # Joined in bfloat16 (where the CPU's own bfloat16 dot may widen its
+    # operands after, as XLA's does without AMX).
+    assert "bf16[32,96]" in hlo
+    assert not re.search(r"f32\[32,(64|96)\]\S* concatenate\(", hlo)
+  else:
+    # (32, 2, 16) kernels, (32, 32) reshaped, never widened nor joined.
+    for shape in ("32,2,16", "32,32", "32,64", "32,96"):
+      assert f"f32[{shape}]" not in hlo, shape
+    assert not re.search(r"(bf16|u16)\[32,(64|96)\]", hlo)
+    assert "VitGemmBf16" in hlo
   np.testing.assert_array_equal(apply(prepared, images),
                                 apply(params, images))
-
-
-def test_bfloat16_parameters_get_their_query_key_value_gradients(
-    monkeypatch):
-  """Trained in bfloat16 (param_dtype), the q, k and v kernels, joined as
-  bits, get the gradients a plain concatenation gives them, not the zeros
-  JAX gives anything through an integer."""
-  model = _model(num_layers=1, param_dtype=jnp.bfloat16)
-  images = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 16, 3))
-  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16),
-                        _random_params(model, images))
-
-  def kernel_grads():
-    loss = lambda p: jnp.sum(model.apply({"params": p}, images) ** 2)
-    grads = jax.jit(jax.grad(loss))(params)["Transformer"]["encoderblock_0"][
-        "MultiHeadDotProductAttention_1"]
-    return [np.asarray(grads[name]["kernel"], np.float32)
-            for name in ("query", "key", "value")]
-
-  joined = kernel_grads()
-  monkeypatch.setattr(self_attention, "_concatenate_columns",
-                      lambda kernels: jnp.concatenate(kernels, axis=1))
-  jax.clear_caches()
-  for ours, plain in zip(joined, kernel_grads()):
-    assert np.abs(plain).max() > 0
-    np.testing.assert_array_equal(ours, plain)
 
 
 def test_float32_products_and_unknown_paths_are_left_alone():

@@ -57,8 +57,8 @@ UNITS = tuple(tuple(_CSRC / name for name in unit) for unit in (
 SOURCES = sum(UNITS, ())
 HEADERS = tuple(_CSRC / name for name in (
     "attention_core.h", "attention_handlers.h", "bf16_tiles.h",
-    "helper_threads.h", "parallel_tasks.h", "vector_transpose.h",
-    "vectors.h"))
+    "helper_threads.h", "parallel_tasks.h", "side_by_side.h",
+    "vector_transpose.h", "vectors.h"))
 _FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-fPIC", "-w")
 # The instruction set the kernels are compiled for: this CPU's by default;
 # e.g. "x86-64-v3" (AVX2 + FMA) to measure what an AVX2-only CPU would run
@@ -248,12 +248,13 @@ def choose_implementation(setting: str, requested: str,
   return "xla"
 
 
-def batch_partitionable(target: str, results: Callable, num_batch_dims: int
-                        ) -> core.Primitive:
-  """A primitive calling `target`; results(*operand avals) gives its
-  result (shape, dtype) pairs. Every operand and result shares its first
-  num_batch_dims axes (the batch axes). Keyword arguments of `bind` (ints)
-  are the handler's attributes.
+def batch_partitionable(target: str, results: Callable, num_batch_dims: int,
+                        static: tuple[str, ...] = ()) -> core.Primitive:
+  """A primitive calling `target`; results(*operand avals, **the `static`
+  keyword arguments of `bind`) gives its result (shape, dtype) pairs.
+  Every operand and result shares its first num_batch_dims axes (the batch
+  axes). Keyword arguments of `bind` not named in `static` (ints) are the
+  handler's attributes; the static ones (hashable) only shape the results.
 
   Its custom call is declared batch-partitionable over those axes, with the
   other axes whole: a Shardy sharding rule and the `num_batch_dims`
@@ -274,19 +275,22 @@ def batch_partitionable(target: str, results: Callable, num_batch_dims: int
 
   primitive.def_impl(lambda *operands, **attributes: compiled(
       tuple(sorted(attributes.items())))(*operands))
-  primitive.def_abstract_eval(lambda *avals, **_: [
-      jax.core.ShapedArray(shape, dtype) for shape, dtype in results(*avals)])
+  primitive.def_abstract_eval(lambda *avals, **attributes: [
+      jax.core.ShapedArray(shape, dtype) for shape, dtype in results(
+          *avals, **{name: attributes[name] for name in static})])
 
-  def lowering(ctx, *operands, **handler_attributes):
-    attributes = {"mhlo.frontend_attributes": mlir.ir.DictAttr.get(
+  def lowering(ctx, *operands, **attributes):
+    handler_attributes = {name: value for name, value in attributes.items()
+                          if name not in static}
+    extra = {"mhlo.frontend_attributes": mlir.ir.DictAttr.get(
         {"num_batch_dims": mlir.ir.StringAttr.get(str(num_batch_dims))})}
     if jax.config.jax_use_shardy_partitioner:
-      attributes["sdy.sharding_rule"] = mlir.ir.Attribute.parse(
+      extra["sdy.sharding_rule"] = mlir.ir.Attribute.parse(
           _sharding_rule(ctx.avals_in, ctx.avals_out, num_batch_dims))
-    return jax.ffi.ffi_lowering(target, extra_attributes=attributes)(
+    return jax.ffi.ffi_lowering(target, extra_attributes=extra)(
         ctx, *operands, **handler_attributes)
 
-  def batch_rule(operands, axes, **handler_attributes):
+  def batch_rule(operands, axes, **attributes):
     # Under jax.vmap the mapped axis joins the first batch axis: one call.
     size = next(operand.shape[axis] for operand, axis in zip(operands, axes)
                 if axis is not None)
@@ -296,7 +300,7 @@ def batch_partitionable(target: str, results: Callable, num_batch_dims: int
                  if axis is None  # not mapped
                  else jnp.moveaxis(operand, axis, 0))
       merged.append(operand.reshape(-1, *operand.shape[2:]))
-    results = primitive.bind(*merged, **handler_attributes)
+    results = primitive.bind(*merged, **attributes)
     return ([result.reshape(size, -1, *result.shape[1:])
              for result in results], [0] * len(results))
 

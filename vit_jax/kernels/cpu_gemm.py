@@ -25,7 +25,9 @@ handlers in `csrc/gemm_cpu.cc` (built with the other kernels, `cpu_build`).
 Each product's arrays carry a leading axis of G groups of rows (see
 `matmuls.per_token`): under a batch-split mesh each device multiplies its
 own rows, and the weight gradient's sum over the groups is the all-reduce
-the gradient needs anyway.
+the gradient needs anyway. A product may take several kernels side by side
+(attention's query, key and value: `matmuls.side_by_side_matmul`), read
+where they lie, and write their gradients apart.
 """
 
 import ctypes
@@ -34,7 +36,7 @@ import importlib.metadata
 import logging
 import os
 import platform
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -165,77 +167,108 @@ def tasks_for_elements(elements: int) -> int:
 
 def _primitives(suffix: str) -> tuple:
   """The three products' primitives for operands of one dtype (target
-  names end in `suffix`); the results are float32 either way."""
-  def result(shape):
-    return lambda a, b: [(shape(a.shape, b.shape), jnp.float32)]
-  return (
-      cpu_build.batch_partitionable(
-          f"VitGemm{suffix}", result(lambda a, b: a[:2] + b[2:]), 1),
-      cpu_build.batch_partitionable(
-          f"VitGemmTransposedRight{suffix}",
-          result(lambda a, b: a[:2] + b[1:2]), 1),
-      cpu_build.batch_partitionable(
-          f"VitGemmOverRows{suffix}",
-          result(lambda a, b: (a[0], a[2], b[2])), 1))
+  names end in `suffix`); the results are float32 either way. The first
+  two take their kernels side by side as operands after the first; the
+  third has a result per kernel, `widths` wide."""
+  def times(a, *kernels):
+    return [(a.shape[:2] + (sum(b.shape[2] for b in kernels),), jnp.float32)]
+
+  def times_transposed(a, *kernels):
+    return [(a.shape[:2] + kernels[0].shape[1:2], jnp.float32)]
+
+  def over_rows(a, b, *, widths):
+    return [((a.shape[0], a.shape[2], width), jnp.float32)
+            for width in widths]
+  return (cpu_build.batch_partitionable(f"VitGemm{suffix}", times, 1),
+          cpu_build.batch_partitionable(
+              f"VitGemmTransposedRight{suffix}", times_transposed, 1),
+          cpu_build.batch_partitionable(
+              f"VitGemmOverRows{suffix}", over_rows, 1,
+              static=("widths",)))
 
 
 # (x.W, dy.W^T, x^T.dy) by operand dtype.
 _PRIMITIVES = {jnp.dtype(jnp.float32): _primitives(""),
                jnp.dtype(jnp.bfloat16): _primitives("Bf16")}
 
+Kernels = Union[jax.Array, Sequence[jax.Array]]
 
-def _operands(name: str, grouped: tuple, kernel: Optional[jax.Array],
+
+def _operands(name: str, grouped: tuple, kernels: Sequence[jax.Array],
               operand_dtype: Any) -> tuple:
   """(the operands rounded to operand_dtype if given, the primitives for
   them); raises naming the operands unless `grouped` are (G, rows,
-  columns) arrays and `kernel` (if given) a (K, N) one, float32 (or
-  bfloat16 where operand_dtype is)."""
+  columns) arrays and `kernels` (K, n_i) ones, float32 (or bfloat16 where
+  operand_dtype is)."""
   dtype = jnp.dtype(operand_dtype or jnp.float32)
   if dtype not in _PRIMITIVES:
     raise ValueError(f"{name} rounds its operands to bfloat16 or not at "
                      f"all, not to {dtype.name}")
-  arrays = (*grouped, *(() if kernel is None else (kernel,)))
-  ranks = (3,) * len(grouped) + (() if kernel is None else (2,))
+  arrays = (*grouped, *kernels)
+  ranks = (3,) * len(grouped) + (2,) * len(kernels)
   dtypes = {jnp.dtype(jnp.float32), dtype}
   if any(a.ndim != rank or a.dtype not in dtypes
-         for a, rank in zip(arrays, ranks)):
+         for a, rank in zip(arrays, ranks)) or len(
+             {kernel.shape[0] for kernel in kernels}) > 1:
     what = " or ".join(sorted(allowed.name for allowed in dtypes))
     raise ValueError(
         f"{name} takes (G, rows, columns) {what} arrays"
-        + (f" and a (K, N) {what} kernel" if kernel is not None else "")
+        + (f" and (K, n) {what} kernels of one K" if kernels else "")
         + f", got {[f'{a.dtype}{list(a.shape)}' for a in arrays]}")
   return tuple(a.astype(dtype) for a in arrays), _PRIMITIVES[dtype]
 
 
-def rows_times(x: jax.Array, kernel: jax.Array, operand_dtype: Any = None
+def _as_list(kernels: Kernels) -> list[jax.Array]:
+  return [kernels] if hasattr(kernels, "ndim") else list(kernels)
+
+
+def rows_times(x: jax.Array, kernels: Kernels, operand_dtype: Any = None
                ) -> jax.Array:
   """x @ kernel per group: x (G, M, K), kernel (K, N) -> (G, M, N) float32,
-  the operands rounded to operand_dtype (bfloat16) if given."""
-  (x, kernel), (times, _, _) = _operands("rows_times", (x,), kernel,
-                                         operand_dtype)
-  (result,) = times.bind(x, cpu_build.per_group(kernel, x.shape[0]),
-                         tasks=tasks_per_device())
+  the operands rounded to operand_dtype (bfloat16) if given. Kernels (K,
+  n_i) given as a sequence are read side by side, as their concatenation
+  (K, sum n_i), and never joined in memory."""
+  kernels = _as_list(kernels)
+  (x, *kernels), (times, _, _) = _operands("rows_times", (x,), kernels,
+                                           operand_dtype)
+  (result,) = times.bind(
+      x, *(cpu_build.per_group(kernel, x.shape[0]) for kernel in kernels),
+      tasks=tasks_per_device())
   return result
 
 
-def rows_times_transposed(output_grad: jax.Array, kernel: jax.Array,
+def rows_times_transposed(output_grad: jax.Array, kernels: Kernels,
                           operand_dtype: Any = None) -> jax.Array:
   """output_grad @ kernel^T per group: (G, M, N), kernel (K, N) -> (G, M,
-  K) float32, the operands rounded to operand_dtype if given."""
-  (output_grad, kernel), (_, times_transposed, _) = _operands(
-      "rows_times_transposed", (output_grad,), kernel, operand_dtype)
+  K) float32, the operands rounded to operand_dtype if given; kernels (K,
+  n_i) as a sequence read side by side as in `rows_times`."""
+  kernels = _as_list(kernels)
+  (output_grad, *kernels), (_, times_transposed, _) = _operands(
+      "rows_times_transposed", (output_grad,), kernels, operand_dtype)
   (result,) = times_transposed.bind(
-      output_grad, cpu_build.per_group(kernel, output_grad.shape[0]),
+      output_grad,
+      *(cpu_build.per_group(kernel, output_grad.shape[0])
+        for kernel in kernels),
       tasks=tasks_per_device())
   return result
 
 
 def rows_transposed_times(x: jax.Array, output_grad: jax.Array,
-                          operand_dtype: Any = None) -> jax.Array:
+                          operand_dtype: Any = None,
+                          widths: Optional[Sequence[int]] = None) -> Any:
   """x^T @ output_grad summed over the groups: x (G, R, K), output_grad
   (G, R, N) -> (K, N) float32, the operands rounded to operand_dtype if
-  given."""
+  given. With `widths` (adding up to N), a list of (K, width) arrays
+  instead: output_grad's columns in that order, each product written
+  apart (the gradients of kernels read side by side)."""
   (x, output_grad), (_, _, over_rows) = _operands(
-      "rows_transposed_times", (x, output_grad), None, operand_dtype)
-  (partial,) = over_rows.bind(x, output_grad, tasks=tasks_per_device())
-  return partial.sum(axis=0)
+      "rows_transposed_times", (x, output_grad), (), operand_dtype)
+  split = widths is not None
+  widths = tuple(widths) if split else (output_grad.shape[2],)
+  if sum(widths) != output_grad.shape[2]:
+    raise ValueError(f"rows_transposed_times: widths {widths} do not add "
+                     f"up to output_grad's {output_grad.shape[2]} columns")
+  partials = over_rows.bind(x, output_grad, tasks=tasks_per_device(),
+                            widths=widths)
+  sums = [partial.sum(axis=0) for partial in partials]
+  return sums if split else sums[0]

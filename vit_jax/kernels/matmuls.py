@@ -22,11 +22,14 @@ AVX512_BF16 and no AMX) the layer's three products run through oneDNN's
 gemms (`cpu_gemm`), on rows in groups (`per_token`).
 
 The MLP's second Dense, with the GELU before it, is `gelu_matmul`'s, made
-of this module's `dot` and `matmul_gradients`.
+of this module's `dot` and `matmul_gradients`. Attention's query, key and
+value, one product of the same tokens, take oneDNN's gemms with their
+three kernels side by side (`side_by_side_matmul`).
 """
 
+import functools
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -216,6 +219,49 @@ def _matmul_backward_rule(dimension_numbers, precision, preferred_element_type,
 
 
 _matmul.defvjp(_matmul_forward, _matmul_backward_rule)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _side_by_side(operand_dtype, inputs, *kernels):
+  return cpu_gemm.rows_times(inputs, kernels, operand_dtype)
+
+
+def _side_by_side_forward(operand_dtype, inputs, *kernels):
+  return _side_by_side(operand_dtype, inputs, *kernels), (inputs, kernels)
+
+
+def _side_by_side_backward(operand_dtype, residuals, output_grad):
+  inputs, kernels = residuals
+  if output_grad.dtype != operand_dtype:  # else rounded as the gemms read it
+    output_grad = output_grad.astype(inputs.dtype)
+  inputs_grad = cpu_gemm.rows_times_transposed(
+      output_grad, [kernel.astype(inputs.dtype) for kernel in kernels],
+      operand_dtype)
+  kernel_grads = cpu_gemm.rows_transposed_times(
+      inputs, output_grad, operand_dtype,
+      widths=[kernel.shape[1] for kernel in kernels])
+  return (inputs_grad.astype(inputs.dtype),
+          *(grad.astype(kernel.dtype)
+            for grad, kernel in zip(kernel_grads, kernels)))
+
+
+_side_by_side.defvjp(_side_by_side_forward, _side_by_side_backward)
+
+
+def side_by_side_matmul(inputs: jax.Array, kernels: Sequence[jax.Array],
+                        operand_dtype: Any = None) -> jax.Array:
+  """inputs (G, M, K) @ the (K, n_i) kernels side by side -> (G, M, sum
+  n_i) float32, through oneDNN's gemms, the operands rounded to
+  operand_dtype if given: the product with the kernels' concatenation,
+  which is never made, and the kernels' gradients written apart.
+
+  Why: attention's query, key and value are one product of the same
+  tokens (self_attention.py); joined, XLA:CPU copied the kernels together
+  for it and their gradient apart after it, 1.5 ms of a batch-1
+  `vit_tiny_cifar` float32 train step's 14 on a Zen 5; without, that step
+  is 8-9% faster and the forward pass 19% (docs/performance.md, *The Zen 5
+  a ninth time*)."""
+  return _side_by_side(operand_dtype, inputs, *kernels)
 
 
 def dense_dot_general(inputs: jax.Array, kernel: jax.Array,

@@ -51,7 +51,8 @@ split_projections.defvjp(_split_forward, _split_backward)
 
 
 def _concatenate_columns(kernels: list[jax.Array]) -> jax.Array:
-  """The (D, n_i) kernels side by side, (D, sum n_i), in their own dtype.
+  """The (D, n_i) kernels side by side, (D, sum n_i), in their own dtype,
+  for XLA's products (oneDNN's read them apart).
 
   Bfloat16 kernels (`model.inference`) are joined as their bits: XLA:CPU
   runs a bfloat16 concatenation in float32, five thunks a block (each
@@ -262,15 +263,24 @@ class MultiHeadSelfAttention(nn.Module):
                products: str, add_bias: bool = True) -> jax.Array:
     """(B, T, D) -> (B, T, P, heads, head_dim): the P projections from one
     matmul, (B*T, D) @ (D, P*D), which runs faster on XLA:CPU than P of
-    (D, D); their bias added unless add_bias is False."""
-    kernel = _concatenate_columns([kernel for kernel, _ in projections])
+    (D, D); their bias added unless add_bias is False. oneDNN's products
+    read the P kernels where they lie (`matmuls.side_by_side_matmul`),
+    XLA's a concatenation of them."""
+    kernels = [kernel for kernel, _ in projections]
     bias = jnp.concatenate([bias for _, bias in projections])
-    inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias,
-                                                   dtype=self.dtype)
-    outputs = per_token(lambda tokens: matmuls.dense_dot_general(
-        tokens, kernel, (((tokens.ndim - 1,), (0,)), ((), ())),
-        operand_dtype=self.matmul_dtype, implementation=products) + (
-            bias if add_bias else 0), inputs, products == "onednn")
+    if products == "onednn":
+      inputs, bias, *kernels = nn.dtypes.promote_dtype(
+          inputs, bias, *kernels, dtype=self.dtype)
+      product = lambda tokens: matmuls.side_by_side_matmul(
+          tokens, kernels, self.matmul_dtype)
+    else:
+      inputs, kernel, bias = nn.dtypes.promote_dtype(
+          inputs, _concatenate_columns(kernels), bias, dtype=self.dtype)
+      product = lambda tokens: matmuls.dense_dot_general(
+          tokens, kernel, (((tokens.ndim - 1,), (0,)), ((), ())),
+          operand_dtype=self.matmul_dtype, implementation=products)
+    outputs = per_token(lambda tokens: product(tokens) + (
+        bias if add_bias else 0), inputs, products == "onednn")
     return outputs.reshape(*outputs.shape[:2], len(projections),
                            self.num_heads, -1)
 

@@ -9,6 +9,10 @@
 //   VitGemm                  c (M, N) = a (M, K) b (K, N)        x.W
 //   VitGemmTransposedRight   c (M, N) = a (M, K) b (N, K)^T      dy.W^T
 //   VitGemmOverRows          c (K, N) = a (R, K)^T b (R, N)      x^T.dy
+// where b, the kernel, may be several (b_1 ... b_P) side by side, each a
+// separate operand (of VitGemm and VitGemmTransposedRight), and c of
+// VitGemmOverRows, the kernels' gradient, several results side by side
+// (`SideBySide`): the P products of the same rows as one.
 // The attribute `tasks` splits each group's product into that many parts
 // (parallel_tasks.h): blocks of c's rows for the first two (of its
 // columns where the rows are few and the columns many, kRowsPerTask), of
@@ -21,8 +25,10 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "parallel_tasks.h"
+#include "side_by_side.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -56,15 +62,16 @@ GemmFunction<T> GemmFor() {
   }
 }
 
-// One block's product; a failure's oneDNN status (e.g. its bfloat16 gemm
-// on a CPU without AVX-512: unimplemented) is kept in `status`.
+// One block's product, c = alpha op(a) op(b) + beta c with alpha 1; a
+// failure's oneDNN status (e.g. its bfloat16 gemm on a CPU without
+// AVX-512: unimplemented) is kept in `status`.
 template <typename T>
 void Gemm(char transa, char transb, int64_t m, int64_t n, int64_t k,
-          const T* a, int64_t lda, const T* b, int64_t ldb, float* c,
-          int64_t ldc, std::atomic<int>* status) {
+          const T* a, int64_t lda, const T* b, int64_t ldb, float beta,
+          float* c, int64_t ldc, std::atomic<int>* status) {
   set_omp_threads(1);  // per thread: this call's team is this thread
   const int result = GemmFor<T>()(transa, transb, m, n, k, 1.0f, a, lda, b,
-                                  ldb, 0.0f, c, ldc);
+                                  ldb, beta, c, ldc);
   if (result != 0) status->store(result);
 }
 
@@ -76,26 +83,28 @@ ffi::Error GemmStatus(const std::atomic<int>& status) {
       " (5: unimplemented on this CPU); use matmul_implementation='xla'");
 }
 
-template <ffi::DataType kType>
-ffi::Error CheckShapes(const ffi::Buffer<kType>& a,
-                       const ffi::Buffer<kType>& b, const char* what) {
-  if (GemmFor<Element<kType>>() == nullptr || set_omp_threads == nullptr)
+template <typename T>
+ffi::Error Loaded() {
+  if (GemmFor<T>() == nullptr || set_omp_threads == nullptr)
     return ffi::Error::Internal(
         "vit_jax's oneDNN products: oneDNN's gemm is not loaded "
         "(vit_jax.kernels.cpu_gemm.problem() says why)");
-  auto ad = a.dimensions(), bd = b.dimensions();
-  if (ad.size() != 3 || bd.size() != 3 || ad[0] != bd[0])
-    return ffi::Error::InvalidArgument(what);
   return ffi::Error::Success();
 }
 
-// A product's operands and result, and its multiply-adds.
+// The handler's kernels, its remaining arguments, side by side.
 template <ffi::DataType kType>
-CallCost ProductCost(const ffi::Buffer<kType>& a, const ffi::Buffer<kType>& b,
-                     const ffi::Buffer<ffi::F32>& c, int64_t multiply_adds) {
-  return {static_cast<int64_t>(a.size_bytes() + b.size_bytes() +
-                               c.size_bytes()),
-          2 * multiply_adds};
+ffi::Error Kernels(const ffi::RemainingArgs& args, int64_t groups,
+                   SideBySide<const Element<kType>>* kernels) {
+  if (args.size() == 0)
+    return ffi::Error::InvalidArgument("VitGemm takes one kernel or more");
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto kernel = args.get<ffi::Buffer<kType>>(i);
+    if (kernel.has_error()) return kernel.error();
+    if (ffi::Error error = kernels->Add(*kernel, groups); error.failure())
+      return error;
+  }
+  return ffi::Error::Success();
 }
 
 // With fewer than kRowsPerTask of c's rows per task and at least
@@ -111,71 +120,162 @@ CallCost ProductCost(const ffi::Buffer<kType>& a, const ffi::Buffer<kType>& b,
 // and small batches does (one image at a time: 65 or 197 rows).
 constexpr int64_t kRowsPerTask = 128, kColumnsPerTask = 256;
 
-// c = a b, or a b^T with kTransposedRight; each group's rows of c in
-// blocks, or its columns where the rows are few and the columns many.
-template <ffi::DataType kType, bool kTransposedRight>
+bool SplitColumns(int64_t m, int64_t n, int64_t tasks) {
+  return m < kRowsPerTask * tasks && n >= kColumnsPerTask * tasks;
+}
+
+// Kernels side by side are copied together before the product (and x^T.dy
+// computed whole, then copied apart) where a task has this many rows of a
+// or more. Why: a gemm per kernel reads the task's rows of a once per
+// kernel, from memory once they outgrow the caches, and the copies cost
+// little beside products this long. At the race's batches (8,320 rows a
+// device), a vit_tiny_cifar train step with a gemm per kernel took 1-3%
+// longer; at one image (65 rows) it took 8-9% less than with XLA's copies.
+constexpr int64_t kJoinRowsPerTask = 1024;
+
+bool JoinsKernels(int64_t rows, int64_t tasks) {
+  return rows >= kJoinRowsPerTask * std::max<int64_t>(tasks, 1);
+}
+
+// c (G, M, N) = a (G, M, K) [b_1 ... b_P], the kernels b_i (G, K, n_i)
+// side by side; each group's rows of c in blocks, or its columns where the
+// rows are few and the columns many.
+template <ffi::DataType kType>
 ffi::Error RowsTimes(ffi::ThreadPool pool, ffi::Buffer<kType> a,
-                     ffi::Buffer<kType> b, ffi::ResultBuffer<ffi::F32> c,
-                     int64_t tasks) {
-  if (ffi::Error error = CheckShapes(
-          a, b, "VitGemm takes a (G, M, K) and b (G, K, N) or (G, N, K)");
-      error.failure())
+                     ffi::RemainingArgs b_args,
+                     ffi::ResultBuffer<ffi::F32> c, int64_t tasks) {
+  using T = Element<kType>;
+  auto ad = a.dimensions();
+  SideBySide<const T> b;
+  if (ffi::Error error = Loaded<T>(); error.failure()) return error;
+  if (ad.size() != 3)
+    return ffi::Error::InvalidArgument("VitGemm takes a (G, M, K)");
+  if (ffi::Error error = Kernels<kType>(b_args, ad[0], &b); error.failure())
     return error;
-  auto ad = a.dimensions(), bd = b.dimensions();
-  const int64_t groups = ad[0], m = ad[1], k = ad[2],
-                n = kTransposedRight ? bd[1] : bd[2];
-  if ((kTransposedRight ? bd[2] : bd[1]) != k)
+  const int64_t groups = ad[0], m = ad[1], k = ad[2], n = b.total;
+  if (b.rows != k)
     return ffi::Error::InvalidArgument("VitGemm: a's and b's K differ");
-  const auto *ap = reinterpret_cast<const Element<kType>*>(a.untyped_data()),
-             *bp = reinterpret_cast<const Element<kType>*>(b.untyped_data());
+  std::vector<T> joined;
+  if (b.count > 1 && JoinsKernels(m, tasks)) b = b.Joined(groups, &joined);
+  const T* ap = reinterpret_cast<const T*>(a.untyped_data());
   float* cp = c->typed_data();
   std::atomic<int> status{0};
   std::atomic<int>* sp = &status;
-  const char b_layout = kTransposedRight ? 'T' : 'N';
-  const int64_t ldb = kTransposedRight ? k : n;
-  const CallCost cost = ProductCost(a, b, *c, groups * m * n * k);
-  if (m < kRowsPerTask * tasks && n >= kColumnsPerTask * tasks) {
-    ForEachBlock(pool, cost, groups, Blocks(n, tasks, 16),
-                 [=](int64_t g, int64_t c0, int64_t columns) {
-                   // Column c0 of b: an offset of c0 rows of b^T.
-                   const int64_t b0 = kTransposedRight ? c0 * k : c0;
-                   Gemm('N', b_layout, m, columns, k, ap + g * m * k, k,
-                        bp + g * k * n + b0, ldb, cp + g * m * n + c0, n, sp);
+  const CallCost cost{static_cast<int64_t>(a.size_bytes() + b.bytes +
+                                           c->size_bytes()),
+                      2 * groups * m * n * k};
+  const bool by_columns = SplitColumns(m, n, tasks);
+  ForEachBlock(pool, cost, groups, Blocks(by_columns ? n : m, tasks, 16),
+               [=](int64_t g, int64_t start, int64_t length) {
+                 const int64_t r0 = by_columns ? 0 : start,
+                               rows = by_columns ? m : length;
+                 b.ForEachPart(by_columns ? start : 0, by_columns ? length : n,
+                               [&](int i, int64_t column, int64_t joined,
+                                   int64_t columns) {
+                   Gemm('N', 'N', rows, columns, k, ap + (g * m + r0) * k, k,
+                        b.Group(i, g) + column, b.width[i], 0.0f,
+                        cp + (g * m + r0) * n + joined, n, sp);
                  });
-  } else {
-    ForEachBlock(pool, cost, groups, Blocks(m, tasks, 16),
-                 [=](int64_t g, int64_t r0, int64_t rows) {
-                   Gemm('N', b_layout, rows, n, k, ap + (g * m + r0) * k, k,
-                        bp + g * k * n, ldb, cp + (g * m + r0) * n, n, sp);
-                 });
-  }
+               });
   return GemmStatus(status);
 }
 
-// c = a^T b, contracting each group's rows; c's columns in blocks.
+// c (G, M, N) = a (G, M, K) [b_1 ... b_P]^T, the kernels b_i (G, N, k_i)
+// side by side (K = sum of k_i): each kernel's product with its columns of
+// a, added up in c. Each group's rows of c in blocks, or its columns where
+// the rows are few and the columns many.
 template <ffi::DataType kType>
-ffi::Error OverRows(ffi::ThreadPool pool, ffi::Buffer<kType> a,
-                    ffi::Buffer<kType> b, ffi::ResultBuffer<ffi::F32> c,
-                    int64_t tasks) {
-  if (ffi::Error error = CheckShapes(
-          a, b, "VitGemmOverRows takes a (G, R, K) and b (G, R, N)");
-      error.failure())
+ffi::Error RowsTimesTransposed(ffi::ThreadPool pool, ffi::Buffer<kType> a,
+                               ffi::RemainingArgs b_args,
+                               ffi::ResultBuffer<ffi::F32> c, int64_t tasks) {
+  using T = Element<kType>;
+  auto ad = a.dimensions();
+  SideBySide<const T> b;
+  if (ffi::Error error = Loaded<T>(); error.failure()) return error;
+  if (ad.size() != 3)
+    return ffi::Error::InvalidArgument("VitGemmTransposedRight takes a "
+                                       "(G, M, K)");
+  if (ffi::Error error = Kernels<kType>(b_args, ad[0], &b); error.failure())
     return error;
-  auto ad = a.dimensions(), bd = b.dimensions();
-  const int64_t groups = ad[0], r = ad[1], k = ad[2], n = bd[2];
-  if (bd[1] != r)
-    return ffi::Error::InvalidArgument("VitGemmOverRows: a's and b's R differ");
-  const auto *ap = reinterpret_cast<const Element<kType>*>(a.untyped_data()),
-             *bp = reinterpret_cast<const Element<kType>*>(b.untyped_data());
+  const int64_t groups = ad[0], m = ad[1], k = ad[2], n = b.rows;
+  if (b.total != k)
+    return ffi::Error::InvalidArgument(
+        "VitGemmTransposedRight: a's K and the kernels' widths differ");
+  std::vector<T> joined;
+  if (b.count > 1 && JoinsKernels(m, tasks)) b = b.Joined(groups, &joined);
+  const T* ap = reinterpret_cast<const T*>(a.untyped_data());
   float* cp = c->typed_data();
   std::atomic<int> status{0};
   std::atomic<int>* sp = &status;
-  ForEachBlock(pool, ProductCost(a, b, *c, groups * r * k * n), groups,
-               Blocks(n, tasks, 16),
-               [=](int64_t g, int64_t c0, int64_t columns) {
-                 Gemm('T', 'N', k, columns, r, ap + g * r * k, k,
-                      bp + g * r * n + c0, n, cp + g * k * n + c0, n, sp);
+  const CallCost cost{static_cast<int64_t>(a.size_bytes() + b.bytes +
+                                           c->size_bytes()),
+                      2 * groups * m * n * k};
+  const bool by_columns = SplitColumns(m, n, tasks);
+  ForEachBlock(pool, cost, groups, Blocks(by_columns ? n : m, tasks, 16),
+               [=](int64_t g, int64_t start, int64_t length) {
+                 const int64_t r0 = by_columns ? 0 : start,
+                               rows = by_columns ? m : length,
+                               c0 = by_columns ? start : 0,
+                               columns = by_columns ? length : n;
+                 for (int i = 0; i < b.count; ++i) {
+                   // Column c0 of b_i^T: an offset of c0 rows of b_i.
+                   Gemm('N', 'T', rows, columns, b.width[i],
+                        ap + (g * m + r0) * k + b.start[i], k,
+                        b.Group(i, g) + c0 * b.width[i], b.width[i],
+                        i == 0 ? 0.0f : 1.0f, cp + (g * m + r0) * n + c0, n,
+                        sp);
+                 }
                });
+  return GemmStatus(status);
+}
+
+// [c_1 ... c_P] (G, K, N) = a (G, R, K)^T b (G, R, N), contracting each
+// group's rows; the results c_i (G, K, n_i) apart, b's columns split among
+// them in order. Each group's columns of the whole in blocks.
+template <ffi::DataType kType>
+ffi::Error OverRows(ffi::ThreadPool pool, ffi::Buffer<kType> a,
+                    ffi::Buffer<kType> b, ffi::RemainingRets c_rets,
+                    int64_t tasks) {
+  using T = Element<kType>;
+  auto ad = a.dimensions(), bd = b.dimensions();
+  if (ffi::Error error = Loaded<T>(); error.failure()) return error;
+  if (ad.size() != 3 || bd.size() != 3 || ad[0] != bd[0] || ad[1] != bd[1])
+    return ffi::Error::InvalidArgument(
+        "VitGemmOverRows takes a (G, R, K) and b (G, R, N)");
+  const int64_t groups = ad[0], r = ad[1], k = ad[2], n = bd[2];
+  SideBySide<float> c;
+  for (size_t i = 0; i < c_rets.size(); ++i) {
+    auto result = c_rets.get<ffi::Buffer<ffi::F32>>(i);
+    if (result.has_error()) return result.error();
+    if (ffi::Error error = c.Add(**result, groups); error.failure())
+      return error;
+  }
+  if (c.count == 0 || c.rows != k || c.total != n)
+    return ffi::Error::InvalidArgument(
+        "VitGemmOverRows: the results must be (G, K, n_i), the n_i adding "
+        "up to b's N");
+  const auto *ap = reinterpret_cast<const T*>(a.untyped_data()),
+             *bp = reinterpret_cast<const T*>(b.untyped_data());
+  std::atomic<int> status{0};
+  std::atomic<int>* sp = &status;
+  const CallCost cost{
+      static_cast<int64_t>(a.size_bytes() + b.size_bytes() + c.bytes),
+      2 * groups * r * k * n};
+  const SideBySide<float> parts = c;
+  std::vector<float> joined;
+  if (c.count > 1 && JoinsKernels(r, tasks))
+    c = c.Joined(groups, &joined, /*copy=*/false);
+  ForEachBlock(pool, cost, groups, Blocks(n, tasks, 16),
+               [=](int64_t g, int64_t c0, int64_t columns) {
+                 c.ForEachPart(c0, columns, [&](int i, int64_t column,
+                                                int64_t whole,
+                                                int64_t width) {
+                   Gemm('T', 'N', k, width, r, ap + g * r * k, k,
+                        bp + g * r * n + whole, n, 0.0f,
+                        c.Group(i, g) + column, c.width[i], sp);
+                 });
+               });
+  if (!joined.empty()) parts.SplitFrom(joined.data(), groups);
   return GemmStatus(status);
 }
 
@@ -190,23 +290,27 @@ extern "C" void VitSetGemm(void* sgemm_function, void* gemm_bf16_function,
   set_omp_threads = reinterpret_cast<SetThreadsFunction>(set_threads_function);
 }
 
-#define VIT_GEMM_HANDLER(NAME, TYPE, FUNCTION) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(               \
-      NAME, (FUNCTION),                        \
-      ffi::Ffi::Bind()                         \
-          .Ctx<ffi::ThreadPool>()              \
-          .Arg<ffi::Buffer<ffi::TYPE>>()       \
-          .Arg<ffi::Buffer<ffi::TYPE>>()       \
-          .Ret<ffi::Buffer<ffi::F32>>()        \
-          .Attr<int64_t>("tasks"))
+#define VIT_GEMM_HANDLER(NAME, FUNCTION, OPERANDS) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                  \
+      NAME, (FUNCTION),                           \
+      ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() OPERANDS.Attr<int64_t>("tasks"))
 
-#define VIT_GEMM_HANDLERS(SUFFIX, TYPE)                                   \
-  VIT_GEMM_HANDLER(VitGemm##SUFFIX, TYPE,                                 \
-                   (RowsTimes<ffi::DataType::TYPE, false>));              \
-  VIT_GEMM_HANDLER(VitGemmTransposedRight##SUFFIX, TYPE,                  \
-                   (RowsTimes<ffi::DataType::TYPE, true>));               \
-  VIT_GEMM_HANDLER(VitGemmOverRows##SUFFIX, TYPE,                         \
-                   OverRows<ffi::DataType::TYPE>)
+// x.W and dy.W^T: a, then the kernels side by side; one result.
+#define VIT_GEMM_KERNELS(TYPE) \
+  .Arg<ffi::Buffer<ffi::TYPE>>().RemainingArgs().Ret<ffi::Buffer<ffi::F32>>()
+// x^T.dy: a and b; the results side by side.
+#define VIT_GEMM_RESULTS(TYPE)                                   \
+  .Arg<ffi::Buffer<ffi::TYPE>>().Arg<ffi::Buffer<ffi::TYPE>>() \
+      .RemainingRets()
+
+#define VIT_GEMM_HANDLERS(SUFFIX, TYPE)                                      \
+  VIT_GEMM_HANDLER(VitGemm##SUFFIX, RowsTimes<ffi::DataType::TYPE>,          \
+                   VIT_GEMM_KERNELS(TYPE));                                  \
+  VIT_GEMM_HANDLER(VitGemmTransposedRight##SUFFIX,                           \
+                   RowsTimesTransposed<ffi::DataType::TYPE>,                 \
+                   VIT_GEMM_KERNELS(TYPE));                                  \
+  VIT_GEMM_HANDLER(VitGemmOverRows##SUFFIX, OverRows<ffi::DataType::TYPE>,   \
+                   VIT_GEMM_RESULTS(TYPE))
 
 VIT_GEMM_HANDLERS(, F32);
 VIT_GEMM_HANDLERS(Bf16, BF16);
