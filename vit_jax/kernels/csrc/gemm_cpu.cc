@@ -137,10 +137,12 @@ bool JoinsKernels(int64_t rows, int64_t tasks) {
   return rows >= kJoinRowsPerTask * std::max<int64_t>(tasks, 1);
 }
 
-// c (G, M, N) = a (G, M, K) [b_1 ... b_P], the kernels b_i (G, K, n_i)
-// side by side; each group's rows of c in blocks, or its columns where the
-// rows are few and the columns many.
-template <ffi::DataType kType>
+// c (G, M, N) = a (G, M, K) b, b the kernels side by side: [b_1 ... b_P],
+// each (G, K, n_i), or with kTransposedRight [b_1 ... b_P]^T, each (G, N,
+// k_i) (K = sum of k_i), each kernel's product with its columns of a added
+// up in c. Each group's rows of c in blocks, or its columns where the rows
+// are few and the columns many.
+template <ffi::DataType kType, bool kTransposedRight>
 ffi::Error RowsTimes(ffi::ThreadPool pool, ffi::Buffer<kType> a,
                      ffi::RemainingArgs b_args,
                      ffi::ResultBuffer<ffi::F32> c, int64_t tasks) {
@@ -152,8 +154,9 @@ ffi::Error RowsTimes(ffi::ThreadPool pool, ffi::Buffer<kType> a,
     return ffi::Error::InvalidArgument("VitGemm takes a (G, M, K)");
   if (ffi::Error error = Kernels<kType>(b_args, ad[0], &b); error.failure())
     return error;
-  const int64_t groups = ad[0], m = ad[1], k = ad[2], n = b.total;
-  if (b.rows != k)
+  const int64_t groups = ad[0], m = ad[1], k = ad[2],
+                n = kTransposedRight ? b.rows : b.total;
+  if ((kTransposedRight ? b.total : b.rows) != k)
     return ffi::Error::InvalidArgument("VitGemm: a's and b's K differ");
   std::vector<T> joined;
   if (b.count > 1 && JoinsKernels(m, tasks)) b = b.Joined(groups, &joined);
@@ -167,65 +170,26 @@ ffi::Error RowsTimes(ffi::ThreadPool pool, ffi::Buffer<kType> a,
   const bool by_columns = SplitColumns(m, n, tasks);
   ForEachBlock(pool, cost, groups, Blocks(by_columns ? n : m, tasks, 16),
                [=](int64_t g, int64_t start, int64_t length) {
-                 const int64_t r0 = by_columns ? 0 : start,
-                               rows = by_columns ? m : length;
-                 b.ForEachPart(by_columns ? start : 0, by_columns ? length : n,
-                               [&](int i, int64_t column, int64_t joined,
-                                   int64_t columns) {
-                   Gemm('N', 'N', rows, columns, k, ap + (g * m + r0) * k, k,
-                        b.Group(i, g) + column, b.width[i], 0.0f,
-                        cp + (g * m + r0) * n + joined, n, sp);
-                 });
-               });
-  return GemmStatus(status);
-}
-
-// c (G, M, N) = a (G, M, K) [b_1 ... b_P]^T, the kernels b_i (G, N, k_i)
-// side by side (K = sum of k_i): each kernel's product with its columns of
-// a, added up in c. Each group's rows of c in blocks, or its columns where
-// the rows are few and the columns many.
-template <ffi::DataType kType>
-ffi::Error RowsTimesTransposed(ffi::ThreadPool pool, ffi::Buffer<kType> a,
-                               ffi::RemainingArgs b_args,
-                               ffi::ResultBuffer<ffi::F32> c, int64_t tasks) {
-  using T = Element<kType>;
-  auto ad = a.dimensions();
-  SideBySide<const T> b;
-  if (ffi::Error error = Loaded<T>(); error.failure()) return error;
-  if (ad.size() != 3)
-    return ffi::Error::InvalidArgument("VitGemmTransposedRight takes a "
-                                       "(G, M, K)");
-  if (ffi::Error error = Kernels<kType>(b_args, ad[0], &b); error.failure())
-    return error;
-  const int64_t groups = ad[0], m = ad[1], k = ad[2], n = b.rows;
-  if (b.total != k)
-    return ffi::Error::InvalidArgument(
-        "VitGemmTransposedRight: a's K and the kernels' widths differ");
-  std::vector<T> joined;
-  if (b.count > 1 && JoinsKernels(m, tasks)) b = b.Joined(groups, &joined);
-  const T* ap = reinterpret_cast<const T*>(a.untyped_data());
-  float* cp = c->typed_data();
-  std::atomic<int> status{0};
-  std::atomic<int>* sp = &status;
-  const CallCost cost{static_cast<int64_t>(a.size_bytes() + b.bytes +
-                                           c->size_bytes()),
-                      2 * groups * m * n * k};
-  const bool by_columns = SplitColumns(m, n, tasks);
-  ForEachBlock(pool, cost, groups, Blocks(by_columns ? n : m, tasks, 16),
-               [=](int64_t g, int64_t start, int64_t length) {
-                 const int64_t r0 = by_columns ? 0 : start,
-                               rows = by_columns ? m : length,
-                               c0 = by_columns ? start : 0,
-                               columns = by_columns ? length : n;
-                 for (int i = 0; i < b.count; ++i) {
-                   // Column c0 of b_i^T: an offset of c0 rows of b_i.
-                   Gemm('N', 'T', rows, columns, b.width[i],
-                        ap + (g * m + r0) * k + b.start[i], k,
-                        b.Group(i, g) + c0 * b.width[i], b.width[i],
-                        i == 0 ? 0.0f : 1.0f, cp + (g * m + r0) * n + c0, n,
-                        sp);
-                 }
-               });
+    const int64_t r0 = by_columns ? 0 : start, rows = by_columns ? m : length,
+                  c0 = by_columns ? start : 0,
+                  columns = by_columns ? length : n;
+    const T* a_rows = ap + (g * m + r0) * k;
+    float* c_rows = cp + (g * m + r0) * n;
+    if constexpr (kTransposedRight) {
+      for (int i = 0; i < b.count; ++i) {
+        // Column c0 of b_i^T: an offset of c0 rows of b_i.
+        Gemm('N', 'T', rows, columns, b.width[i], a_rows + b.start[i], k,
+             b.Group(i, g) + c0 * b.width[i], b.width[i], i == 0 ? 0.0f : 1.0f,
+             c_rows + c0, n, sp);
+      }
+    } else {
+      b.ForEachPart(c0, columns, [&](int i, int64_t column, int64_t whole,
+                                     int64_t width) {
+        Gemm('N', 'N', rows, width, k, a_rows, k, b.Group(i, g) + column,
+             b.width[i], 0.0f, c_rows + whole, n, sp);
+      });
+    }
+  });
   return GemmStatus(status);
 }
 
@@ -304,10 +268,10 @@ extern "C" void VitSetGemm(void* sgemm_function, void* gemm_bf16_function,
       .RemainingRets()
 
 #define VIT_GEMM_HANDLERS(SUFFIX, TYPE)                                      \
-  VIT_GEMM_HANDLER(VitGemm##SUFFIX, RowsTimes<ffi::DataType::TYPE>,          \
+  VIT_GEMM_HANDLER(VitGemm##SUFFIX, (RowsTimes<ffi::DataType::TYPE, false>), \
                    VIT_GEMM_KERNELS(TYPE));                                  \
   VIT_GEMM_HANDLER(VitGemmTransposedRight##SUFFIX,                           \
-                   RowsTimesTransposed<ffi::DataType::TYPE>,                 \
+                   (RowsTimes<ffi::DataType::TYPE, true>),                   \
                    VIT_GEMM_KERNELS(TYPE));                                  \
   VIT_GEMM_HANDLER(VitGemmOverRows##SUFFIX, OverRows<ffi::DataType::TYPE>,   \
                    VIT_GEMM_RESULTS(TYPE))
