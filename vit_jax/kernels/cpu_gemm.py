@@ -255,7 +255,8 @@ def rows_times_transposed(output_grad: jax.Array, kernels: Kernels,
 
 def rows_transposed_times(x: jax.Array, output_grad: jax.Array,
                           operand_dtype: Any = None,
-                          widths: Optional[Sequence[int]] = None) -> Any:
+                          widths: Optional[Sequence[int]] = None
+                          ) -> Union[jax.Array, list[jax.Array]]:
   """x^T @ output_grad summed over the groups: x (G, R, K), output_grad
   (G, R, N) -> (K, N) float32, the operands rounded to operand_dtype if
   given. With `widths` (adding up to N), a list of (K, width) arrays
