@@ -65,7 +65,7 @@ def test_the_three_products_match_a_float64_reference(
     (2, 37, 20, (50, 3)),            # unequal widths, by rows
     (1, 17, 600, (300, 300, 300)),   # few rows: x.W and dy.W^T by columns
     (1, 9, 24, (250, 7, 300, 1)),    # column blocks across the kernels
-    (2, 2100, 24, (40, 8, 56))])     # copied together in 1 or 2 tasks
+    (2, 2100, 24, (40, 8, 56))])     # copied together (x.W: 1, 2 tasks)
 def test_kernels_side_by_side_are_their_concatenation(
     monkeypatch, operand_dtype, tasks, groups, rows, depth, widths):
   """x.W and dy.W^T with several kernels read side by side give the

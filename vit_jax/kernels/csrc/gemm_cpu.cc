@@ -227,7 +227,8 @@ ffi::Error OverRows(ffi::ThreadPool pool, ffi::Buffer<kType> a,
       2 * groups * r * k * n};
   const SideBySide<float> parts = c;
   std::vector<float> joined;
-  if (c.count > 1 && JoinsKernels(r, tasks))
+  // Every task reads all r rows of a, its blocks being c's columns.
+  if (c.count > 1 && JoinsKernels(r, /*tasks=*/1))
     c = c.Joined(groups, &joined, /*copy=*/false);
   ForEachBlock(pool, cost, groups, Blocks(n, tasks, 16),
                [=](int64_t g, int64_t c0, int64_t columns) {
