@@ -50,11 +50,18 @@ if [ ! -x "$root/usr/bin/python3" ]; then
 fi
 
 # pyproject.toml's dependencies as CI resolves them, less tensorflow-datasets
-# and grain.
+# and grain, and less those whose environment marker leaves aarch64 Linux
+# out (oneDNN's x86-64 wheel): pip would judge a marker by this x86 host.
 mapfile -t requirements < <(python3 -c 'import tomllib
-for requirement in tomllib.load(open("pyproject.toml", "rb"))["project"][
+from pip._vendor.packaging.requirements import Requirement
+arm = {"platform_machine": "aarch64", "sys_platform": "linux",
+       "python_version": "3.11"}
+for text in tomllib.load(open("pyproject.toml", "rb"))["project"][
     "dependencies"]:
-  if not requirement.startswith(("tensorflow-datasets", "grain")):
+  requirement = Requirement(text)
+  if requirement.marker and not requirement.marker.evaluate(arm):
+    continue
+  if requirement.name not in ("tensorflow-datasets", "grain"):
     print(requirement)')
 python3 -m pip install -q --upgrade --target "$root/opt/site" \
   --platform manylinux2014_aarch64 --platform manylinux_2_17_aarch64 \

@@ -99,8 +99,8 @@ def problem(device: Any = None) -> Optional[str]:
     return f"they run on CPUs, and this device is {device.platform!r}"
   if (platform.machine().lower() not in ("x86_64", "amd64")
       and not os.environ.get(LIBRARY_VARIABLE)):
-    return (f"vit_jax takes oneDNN from its x86-64 wheel; this is a "
-            f"{platform.machine()} CPU (set {LIBRARY_VARIABLE} to a "
+    return (f"vit_jax takes oneDNN from its x86-64 wheel, and this CPU is "
+            f"{platform.machine()} (set {LIBRARY_VARIABLE} to a "
             "libdnnl.so.3 built for it)")
   return load()
 
