@@ -3,11 +3,12 @@
 
 A workload is a model of `MODELS` in one mode: "train" (vit_jax's real
 train step: forward, backward and AdamW's update) or "infer" (the forward
-pass). `jax_worker` times vit_jax's, `torch_worker` timm's or
-torchvision's with the same dims, eager or under torch.compile; each
-returns the median of its steps after a warm-up step (--steps of them,
-and more until they take MIN_TIMED_SECONDS). Every worker runs with
-`worker_environment`, so that both libraries get the same malloc,
+pass). `jax_worker` times vit_jax's (`JaxStep`), `torch_worker` timm's
+or torchvision's with the same dims, eager or under torch.compile
+(`TorchStep`); each returns the median of its steps after a warm-up step
+(--steps of them, and more until they take MIN_TIMED_SECONDS).
+`benchmarks/latency.py` times the same steps one by one. Every worker runs
+with `worker_environment`, so that both libraries get the same malloc,
 instruction caps and operand dtype.
 """
 
@@ -222,52 +223,68 @@ def jax_worker(model_name: str, mode: str, num_steps: int, image_size=None,
           "matmul_dtype": step.matmul_dtype or "float32"}
 
 
+class TorchStep:
+  """timm's or torchvision's ViT with a model's dims, eager or under
+  torch.compile ("+compile"), on random data; calling it runs one step
+  (with "train" forward, backward and AdamW's update; else the forward
+  pass), under torch.autocast's bfloat16 where --matmul_dtype asks."""
+
+  def __init__(self, impl: str, model_name: str, mode: str, batch=None):
+    import torch
+    size, dims = MODELS[model_name].image_size, MODELS[model_name].dims()
+    self.mode, self.batch = mode, worker_batch(model_name, mode, batch)
+    if impl.startswith("timm"):
+      import timm
+      model = timm.models.vision_transformer.VisionTransformer(
+          img_size=size, patch_size=dims["patch_size"],
+          num_classes=NUM_CLASSES, embed_dim=dims["hidden_size"],
+          depth=dims["num_layers"], num_heads=dims["num_heads"],
+          mlp_ratio=dims["mlp_dim"] / dims["hidden_size"])
+    else:
+      import torchvision
+      model = torchvision.models.VisionTransformer(
+          image_size=size, patch_size=dims["patch_size"],
+          num_layers=dims["num_layers"], num_heads=dims["num_heads"],
+          hidden_dim=dims["hidden_size"], mlp_dim=dims["mlp_dim"],
+          num_classes=NUM_CLASSES)
+    if mode != "train":
+      model.eval()
+    self.images = torch.rand(self.batch, 3, size, size)
+    self.labels = torch.randint(0, NUM_CLASSES, (self.batch,))
+    self.forward = torch.compile(model) if impl.endswith("+compile") else model
+    self.optimizer = torch.optim.AdamW(model.parameters(), 1e-3,
+                                       weight_decay=0.05)
+
+  def _autocast(self):
+    """PyTorch's mixed precision: autocast's bfloat16 ops, float32
+    params (a no-op context without --matmul_dtype)."""
+    import torch
+    return torch.autocast("cpu", dtype=torch.bfloat16,
+                          enabled=bench_matmul_dtype() is not None)
+
+  def __call__(self) -> None:
+    import torch
+    if self.mode == "train":
+      self.optimizer.zero_grad(set_to_none=True)
+      with self._autocast():
+        loss = torch.nn.functional.cross_entropy(self.forward(self.images),
+                                                 self.labels)
+      loss.backward()
+      self.optimizer.step()
+    else:
+      with torch.inference_mode(), self._autocast():
+        self.forward(self.images)
+
+
 def torch_worker(impl: str, model_name: str, mode: str, steps: int,
                  batch=None) -> dict:
-  """timm's or torchvision's ViT with the same dims, eager or compiled."""
-  import torch
-  size, dims = MODELS[model_name].image_size, MODELS[model_name].dims()
-  batch = worker_batch(model_name, mode, batch)
-  if impl.startswith("timm"):
-    import timm
-    model = timm.models.vision_transformer.VisionTransformer(
-        img_size=size, patch_size=dims["patch_size"], num_classes=NUM_CLASSES,
-        embed_dim=dims["hidden_size"], depth=dims["num_layers"],
-        num_heads=dims["num_heads"], mlp_ratio=dims["mlp_dim"] /
-        dims["hidden_size"])
-  else:
-    import torchvision
-    model = torchvision.models.VisionTransformer(
-        image_size=size, patch_size=dims["patch_size"],
-        num_layers=dims["num_layers"], num_heads=dims["num_heads"],
-        hidden_dim=dims["hidden_size"], mlp_dim=dims["mlp_dim"],
-        num_classes=NUM_CLASSES)
-  images = torch.rand(batch, 3, size, size)
-  labels = torch.randint(0, NUM_CLASSES, (batch,))
-  forward = torch.compile(model) if impl.endswith("+compile") else model
-  optimizer = torch.optim.AdamW(model.parameters(), 1e-3, weight_decay=0.05)
-  # PyTorch's mixed precision: autocast's bfloat16 ops, float32 params.
-  autocast = lambda: torch.autocast(
-      "cpu", dtype=torch.bfloat16, enabled=bench_matmul_dtype() is not None)
-
-  def run():
-    if mode == "train":
-      optimizer.zero_grad(set_to_none=True)
-      with autocast():
-        loss = torch.nn.functional.cross_entropy(forward(images), labels)
-      loss.backward()
-      optimizer.step()
-    else:
-      with torch.inference_mode(), autocast():
-        forward(images)
-
-  if mode != "train":
-    model.eval()
+  """`TorchStep`'s images/s (and torch.compile's compile time)."""
+  step = TorchStep(impl, model_name, mode, batch)
   start = time.perf_counter()
-  run()  # eager warm-up, or torch.compile's compilation
+  step()  # eager warm-up, or torch.compile's compilation
   first = time.perf_counter() - start
-  seconds = time_steps(run, steps, MIN_TIMED_SECONDS)
-  result = {"images_per_s": batch / seconds, "batch": batch,
+  seconds = time_steps(step, steps, MIN_TIMED_SECONDS)
+  result = {"images_per_s": step.batch / seconds, "batch": step.batch,
             "peak_rss_mib": _peak_rss_mib()}
   if impl.endswith("+compile"):  # eager has nothing to compile
     result["compile_s"] = first - seconds

@@ -70,11 +70,14 @@ python3 -m pip install -q --upgrade --target "$root/opt/site" \
   --only-binary=:all: "${requirements[@]}" tensorboardX pytest pytest-xdist
 
 rm -rf "$root/opt/vit_jax"
-mkdir -p "$root/opt/vit_jax" "$root/proc" "$root/tmp" "$root/root"
+mkdir -p "$root/opt/vit_jax" "$root/proc" "$root/sys" "$root/tmp" "$root/root"
 git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$root/opt/vit_jax"
 
+# sysfs too: XNNPACK's cpuinfo (XLA's YNNPACK products) reads the CPU lists
+# there, and without them leaves YNNPACK off.
 mountpoint -q "$root/proc" || mount -t proc proc "$root/proc"
-trap 'umount "$root/proc"' EXIT
+mountpoint -q "$root/sys" || mount -t sysfs sysfs "$root/sys"
+trap 'umount "$root/proc" "$root/sys"' EXIT
 echo "$(uname -m) host, emulated $(chroot "$root" uname -m): pytest $*"
 chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/bin:/bin \
   PYTHONPATH=/opt/site:/opt/vit_jax VIT_JAX_CACHE_DIR=/tmp/vit_jax_cache \

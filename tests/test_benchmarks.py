@@ -1245,3 +1245,56 @@ def test_attention_pair_benchmark_times_both_trees_at_each_token_count(
       lines[-1])
   assert summary, lines[-1]
   assert all(float(value) > 0 for value in summary.groups())
+
+
+def test_latency_stats_take_nearest_rank_percentiles_and_count_slow_steps():
+  """Percentiles by the nearest rank (numpy's inverted CDF), the median as
+  statistics takes it, and the slow steps' share against 1.3 x the
+  median: 98 steps of 1 ms, one of 1.31 ms (slow) and
+  one of 10 ms; then random times against numpy."""
+  latency = _benchmark_module("latency")
+  stats = latency.latency_stats([0.001] * 98 + [0.00131, 0.010])
+  assert stats["median_ms"] == pytest.approx(1.0)
+  assert stats["mean_ms"] == pytest.approx((98 + 1.31 + 10) / 100)
+  assert stats["p90_ms"] == pytest.approx(1.0)
+  assert stats["p99_ms"] == pytest.approx(1.31)
+  assert stats["slow"] == pytest.approx(0.02) and stats["steps"] == 100
+  times = list(np.random.default_rng(0).lognormal(-6, 0.4, 777))
+  stats = latency.latency_stats(times)
+  for p in (90, 99):
+    assert stats[f"p{p}_ms"] == pytest.approx(
+        np.percentile(times, p, method="inverted_cdf") * 1e3)
+  assert stats["median_ms"] == pytest.approx(np.median(times) * 1e3)
+  assert stats["slow"] == pytest.approx(
+      np.mean(np.asarray(times) >= 1.3 * np.median(times)))
+  with pytest.raises(ValueError, match="at least one"):
+    latency.latency_stats([])
+
+
+def test_latency_benchmark_rejects_unknown_pytorch_variants():
+  latency = _benchmark_module("latency")
+  assert latency.parse_args([]).torch == ["timm", "timm+compile"]
+  with pytest.raises(SystemExit):
+    latency.parse_args(["--torch=timm,keras"])
+  with pytest.raises(SystemExit):
+    latency.parse_args(["--steps=0"])
+
+
+def test_latency_benchmark_times_both_libraries_step_by_step():
+  """The command as documented, short: a row per worker and round, each
+  with its percentiles in order, and the summary line comparing them."""
+  lines = _run("benchmarks/latency.py", "--steps=20", "--warmup=2",
+               "--rounds=2", "--torch=timm", env={"XLA_FLAGS": ""},
+               timeout=300)
+  rows = [line.split("|")[1:-1] for line in lines
+          if re.match(r"\| [12] \| ", line)]
+  assert [(r[0].strip(), r[1].strip()) for r in rows] == [
+      ("1", "vit_jax"), ("1", "timm"), ("2", "vit_jax"), ("2", "timm")]
+  for row in rows:
+    median, _, p90, p99 = (float(cell) for cell in row[2:6])
+    assert 0 < median <= p90 <= p99, row
+  summary = re.fullmatch(
+      r'summary: median_vs_torch=(\S+) p99_vs_torch=(\S+) slow_jax=(\S+) '
+      r'slow_torch=(\S+) cpu="[^"]+"', lines[-1])
+  assert summary, lines[-1]
+  assert all(float(value) >= 0 for value in summary.groups())

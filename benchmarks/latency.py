@@ -1,0 +1,185 @@
+r"""Step by step: how long each of vit_jax's steps takes, against PyTorch.
+
+  python benchmarks/latency.py        # vit_tiny_cifar inference, one image
+  python benchmarks/latency.py --model=ViT-Ti/16@224 --mode=train
+  python benchmarks/latency.py --matmul_dtype=bfloat16 --torch=timm+compile
+
+The race (`throughput.py`) compares workers by their median step. An
+application classifying photos one at a time also feels the slow steps, so
+here every step is timed on its own: each worker (vit_jax's step as the
+race runs it, `race_workers.JaxStep`, and each of --torch's,
+`race_workers.TorchStep`) is a fresh process with the race's environment
+(`race_workers.worker_environment`: malloc, --max_isa, --matmul_dtype),
+runs --warmup steps, then times --steps steps one by one. Workers run in
+turn for --rounds rounds, the order reversed each round, and each reports
+its steps' median, mean, 90th and 99th percentiles and the share of steps
+that took 1.3 times the median or longer ("slow"). The table gives every
+round; the summary takes each implementation's round with the lower median
+and compares vit_jax with the PyTorch variant whose median is lowest:
+
+  summary: median_vs_torch=2.10 p99_vs_torch=1.95 slow_jax=0.011 slow_torch=0.010 cpu="…"
+
+*_vs_torch: PyTorch's milliseconds over vit_jax's (above 1: vit_jax is
+faster); slow_*: the share of slow steps. Batch 1 by default (--batch).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+# This folder's modules: the CPU's description, the race's steps and
+# environment, and which of PyTorch's packages are missing.
+import race_report
+import race_workers
+import throughput
+
+# A step this many times the median or longer counts as slow.
+SLOW_FACTOR = 1.3
+
+
+def step_times(step, warmup: int, steps: int) -> list[float]:
+  """Seconds of each of `steps` calls of step(), after `warmup` calls."""
+  for _ in range(warmup):
+    step()
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def latency_stats(times: list[float]) -> dict:
+  """Milliseconds: median, mean, p90 and p99 (the nearest rank) of `times`
+  (seconds); "slow": the share of them SLOW_FACTOR times the median or
+  longer."""
+  if not times:
+    raise ValueError("latency_stats needs at least one step's time")
+  ordered = sorted(times)
+  median = statistics.median(ordered)
+
+  def percentile(p: float) -> float:
+    rank = max(1, -(-len(ordered) * p // 100))  # ceil(n p / 100), from 1
+    return ordered[int(rank) - 1] * 1e3
+
+  return {"median_ms": median * 1e3, "mean_ms": statistics.mean(ordered) * 1e3,
+          "p90_ms": percentile(90), "p99_ms": percentile(99),
+          "slow": sum(t >= SLOW_FACTOR * median for t in ordered) / len(ordered),
+          "steps": len(ordered)}
+
+
+def run_worker(args: argparse.Namespace) -> None:
+  """Builds one implementation's step, times it, prints its JSON."""
+  if args.impl == "vit_jax":
+    from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
+    # As the race: a device per core where the batch splits over them.
+    host.split_cpu_into_devices(-1, (race_workers.worker_batch(
+        args.model, args.mode, args.batch),))
+    step = race_workers.JaxStep(args.model, args.mode, batch=args.batch)
+  else:
+    step = race_workers.TorchStep(args.impl, args.model, args.mode,
+                                  args.batch)
+  stats = latency_stats(step_times(step, args.warmup, args.steps))
+  print(json.dumps(stats), flush=True)
+  os._exit(0)  # skips tearing down torch or JAX
+
+
+def spawn(args: argparse.Namespace, impl: str, env: dict) -> dict:
+  """One worker in a fresh process: its JSON."""
+  command = [sys.executable, __file__, "--worker", f"--impl={impl}",
+             f"--model={args.model}", f"--mode={args.mode}",
+             f"--batch={args.batch}", f"--steps={args.steps}",
+             f"--warmup={args.warmup}"]
+  out = subprocess.run(command, env=env, capture_output=True, text=True,
+                       check=False)
+  lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+  if out.returncode or not lines:
+    raise RuntimeError(f"worker {impl} failed:\n{out.stderr[-3000:]}")
+  return json.loads(lines[-1])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--impl", default="vit_jax", help=argparse.SUPPRESS)
+  parser.add_argument("--model", default="vit_tiny_cifar",
+                      choices=sorted(race_workers.MODELS))
+  parser.add_argument("--mode", default="infer", choices=("train", "infer"))
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--steps", type=int, default=2000,
+                      help="steps timed by each worker")
+  parser.add_argument("--warmup", type=int, default=50)
+  parser.add_argument("--rounds", type=int, default=2)
+  parser.add_argument("--torch", default="timm,timm+compile",
+                      help="PyTorch variants, comma-separated, from "
+                      f"{', '.join(race_workers.TORCH_IMPLS)}")
+  parser.add_argument("--matmul_dtype", default="float32",
+                      choices=("float32", "bfloat16"))
+  parser.add_argument("--max_isa", default="native",
+                      choices=("native", "avx2"))
+  args = parser.parse_args(argv)
+  args.torch = [impl for impl in args.torch.split(",") if impl]
+  unknown = sorted(set(args.torch) - set(race_workers.TORCH_IMPLS))
+  if unknown or not args.torch:
+    parser.error(f"--torch: unknown variant(s) {unknown or '(none given)'}; "
+                 f"choose from {', '.join(race_workers.TORCH_IMPLS)}")
+  for name in ("batch", "steps", "rounds"):
+    if getattr(args, name) < 1:
+      parser.error(f"--{name} must be at least 1")
+  return args
+
+
+def report(args: argparse.Namespace, rounds: list[dict]) -> list[str]:
+  """The table of every round's workers, and the summary line."""
+  lines = ["| round | implementation | median ms | mean ms | p90 ms | p99 ms "
+           "| slow (>= 1.3x median) |", "|---|---|---:|---:|---:|---:|---:|"]
+  for number, results in enumerate(rounds, 1):
+    for impl, r in results.items():
+      lines.append(f"| {number} | {impl} | {r['median_ms']:.3f} | "
+                   f"{r['mean_ms']:.3f} | {r['p90_ms']:.3f} | "
+                   f"{r['p99_ms']:.3f} | {r['slow']:.1%} |")
+  best = {impl: min((results[impl] for results in rounds),
+                    key=lambda r: r["median_ms"]) for impl in rounds[0]}
+  torch = min((best[impl] for impl in args.torch),
+              key=lambda r: r["median_ms"])
+  jax = best["vit_jax"]
+  cpu = race_report.cpu_description()[0]
+  lines.append(
+      f"summary: median_vs_torch={torch['median_ms'] / jax['median_ms']:.2f} "
+      f"p99_vs_torch={torch['p99_ms'] / jax['p99_ms']:.2f} "
+      f"slow_jax={jax['slow']:.3f} slow_torch={torch['slow']:.3f} "
+      f'cpu="{cpu}"')
+  return lines
+
+
+def main():
+  args = parse_args()
+  if args.worker:
+    run_worker(args)
+  if missing := throughput.missing_packages():
+    sys.exit(f"benchmarks/latency.py times PyTorch's ViTs, and "
+             f"{', '.join(missing)} cannot be imported here: pip install -e "
+             f"'.[bench]' (from the repository's root)")
+  env = race_workers.worker_environment(True, args.max_isa, args.matmul_dtype)
+  model, flags = race_report.cpu_description()
+  print(f"Command: python benchmarks/latency.py {' '.join(sys.argv[1:])}")
+  print(f"CPU: {model}; {', '.join(flags)}; load {race_report.machine_load()}")
+  print(f"{args.model} {args.mode}, batch {args.batch}, {args.matmul_dtype} "
+        f"products, {args.steps} steps a worker after {args.warmup}")
+  impls = ["vit_jax", *args.torch]
+  rounds = []
+  for number in range(args.rounds):
+    order = impls if number % 2 == 0 else impls[::-1]
+    results = {impl: spawn(args, impl, env) for impl in order}
+    rounds.append({impl: results[impl] for impl in impls})
+  print("\n".join(report(args, rounds)))
+
+
+if __name__ == "__main__":
+  from vit_jax.runtime import host  # pylint: disable=g-import-not-at-top
+  host.default_xla_flags()  # vit_jax's measured XLA:CPU flags, as main.py
+  main()
