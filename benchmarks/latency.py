@@ -166,7 +166,8 @@ def main():
              f"'.[bench]' (from the repository's root)")
   env = race_workers.worker_environment(True, args.max_isa, args.matmul_dtype)
   model, flags = race_report.cpu_description()
-  print(f"Command: python benchmarks/latency.py {' '.join(sys.argv[1:])}")
+  print("Command: " + " ".join(["python benchmarks/latency.py",
+                                *sys.argv[1:]]))
   print(f"CPU: {model}; {', '.join(flags)}; load {race_report.machine_load()}")
   print(f"{args.model} {args.mode}, batch {args.batch}, {args.matmul_dtype} "
         f"products, {args.steps} steps a worker after {args.warmup}")
