@@ -19,7 +19,7 @@ and compares vit_jax with the PyTorch variant whose median is lowest:
 
   summary: median_vs_torch=2.10 p99_vs_torch=1.95 slow_jax=0.011 slow_torch=0.010 cpu="…"
 
-*_vs_torch: PyTorch's milliseconds over vit_jax's (above 1: vit_jax is
+(numbers illustrative). *_vs_torch: PyTorch's milliseconds over vit_jax's (above 1: vit_jax is
 faster); slow_*: the share of slow steps. Batch 1 by default (--batch).
 """
 
@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -90,16 +89,10 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def spawn(args: argparse.Namespace, impl: str, env: dict) -> dict:
   """One worker in a fresh process: its JSON."""
-  command = [sys.executable, __file__, "--worker", f"--impl={impl}",
-             f"--model={args.model}", f"--mode={args.mode}",
-             f"--batch={args.batch}", f"--steps={args.steps}",
-             f"--warmup={args.warmup}"]
-  out = subprocess.run(command, env=env, capture_output=True, text=True,
-                       check=False)
-  lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-  if out.returncode or not lines:
-    raise RuntimeError(f"worker {impl} failed:\n{out.stderr[-3000:]}")
-  return json.loads(lines[-1])
+  return race_workers.spawn_worker(__file__, [
+      f"--impl={impl}", f"--model={args.model}", f"--mode={args.mode}",
+      f"--batch={args.batch}", f"--steps={args.steps}",
+      f"--warmup={args.warmup}"], env)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -13,9 +13,12 @@ instruction caps and operand dtype.
 """
 
 import dataclasses
+import json
 import os
 import resource
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -100,6 +103,18 @@ def time_steps(run, steps: int, min_seconds: float = 0.0) -> float:
     run()
     times.append(time.perf_counter() - start)
   return statistics.median(times)
+
+
+def spawn_worker(script: str, args: list[str], env: dict) -> dict:
+  """Runs `python script --worker *args` in a fresh process with `env`
+  and returns the JSON of the last line it printed that starts with "{";
+  raises with the end of its stderr if it fails."""
+  out = subprocess.run([sys.executable, script, "--worker", *args], env=env,
+                       capture_output=True, text=True, check=False)
+  lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+  if out.returncode or not lines:
+    raise RuntimeError(f"worker {args} failed:\n{out.stderr[-3000:]}")
+  return json.loads(lines[-1])
 
 
 def _peak_rss_mib() -> float:

@@ -81,7 +81,6 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -96,12 +95,7 @@ def spawn(args: list[str], env: dict) -> dict:
   """Runs this script as a worker in a fresh process; returns its JSON.
   Prints a progress line (worker, result, its wall seconds) to stderr."""
   start = time.perf_counter()
-  out = subprocess.run([sys.executable, __file__, "--worker", *args], env=env,
-                       capture_output=True, text=True, check=False)
-  lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
-  if out.returncode or not lines:
-    raise RuntimeError(f"worker {args} failed:\n{out.stderr[-3000:]}")
-  result = json.loads(lines[-1])
+  result = race_workers.spawn_worker(__file__, args, env)
   rate = (f"{result['images_per_s']:.1f} images/s"
           if "images_per_s" in result else "GEMM")
   print(f"  {' '.join(a.split('=')[-1] for a in args)}: {rate} "
