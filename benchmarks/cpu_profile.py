@@ -283,7 +283,7 @@ def worker(args) -> None:
         f.write(hlo_text)
     profile = profile_by_kind(hlo_text, trace_path, times.wall_s)
   model, flags = race_report.cpu_description()
-  print(f"CPU: {model}, {times.cores} of {os.cpu_count()} cores; "
+  print(f"CPU: {model}, {race_report.cores_description(times.cores)}; "
         f"{', '.join(flags)}")
   print(f"{args.model} {args.mode}: {step.image_size} px, patch "
         f"{step.patch_size}, {step.model.num_layers} layers, batch "

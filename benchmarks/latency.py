@@ -40,12 +40,14 @@ import throughput
 SLOW_FACTOR = 1.3
 
 
-def step_times(step, warmup: int, steps: int) -> list[float]:
-  """Seconds of each of `steps` calls of step(), after `warmup` calls."""
+def step_times(step, warmup: int, steps: int,
+               min_seconds: float = 0.0) -> list[float]:
+  """Seconds of each call of step() after `warmup` calls: `steps` calls,
+  and more until they have taken min_seconds."""
   for _ in range(warmup):
     step()
   times = []
-  for _ in range(steps):
+  while len(times) < steps or sum(times) < min_seconds:
     start = time.perf_counter()
     step()
     times.append(time.perf_counter() - start)

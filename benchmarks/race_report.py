@@ -23,6 +23,17 @@ def cpu_description() -> tuple[str, list[str]]:
   return cpu_info.cpu_model(), [flag for flag in _ISA_FLAGS if flag in flags]
 
 
+def cores_description(cores: int) -> str:
+  """"2 of 8 cores", and the CPU quota where a cgroup's (a container's
+  --cpus) is what holds `cores` (`cpu_info.cpu_cores`) below the CPUs."""
+  from vit_jax.runtime import cpu_info  # pylint: disable=g-import-not-at-top
+  text = f"{cores} of {os.cpu_count()} cores"
+  quota = cpu_info.cpu_quota()
+  if quota is not None and quota < len(os.sched_getaffinity(0)):
+    text += f" (a CPU quota of {quota:.2f}: {cores} rounded up)"
+  return text
+
+
 def machine_load() -> str:
   """The load average over 1, 5 and 15 minutes."""
   with open("/proc/loadavg") as f:
@@ -90,7 +101,7 @@ def setting_lines(args: argparse.Namespace, env: dict, race: Race,
   # The cores this process may use: `taskset -c 0,1` races two cores of a
   # larger CPU, as vit_jax's devices and PyTorch's threads both follow the
   # affinity mask.
-  lines = [f"CPU: {cpu_model}, {cores} of {os.cpu_count()} cores; "
+  lines = [f"CPU: {cpu_model}, {cores_description(cores)}; "
            f"ISA: {' '.join(isa)}"]
   if args.max_isa == "avx2":
     lines.append("Every library capped at AVX2 + FMA: " + " ".join(

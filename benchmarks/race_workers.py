@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Sequence
 
 import numpy as np
 
@@ -105,12 +106,14 @@ def time_steps(run, steps: int, min_seconds: float = 0.0) -> float:
   return statistics.median(times)
 
 
-def spawn_worker(script: str, args: list[str], env: dict) -> dict:
+def spawn_worker(script: str, args: list[str], env: dict,
+                 prefix: Sequence[str] = ()) -> dict:
   """Runs `python script --worker *args` in a fresh process with `env`
-  and returns the JSON of the last line it printed that starts with "{";
-  raises with the end of its stderr if it fails."""
-  out = subprocess.run([sys.executable, script, "--worker", *args], env=env,
-                       capture_output=True, text=True, check=False)
+  (started by the command `prefix` where given, e.g. one that enters a
+  cgroup) and returns the JSON of the last line it printed that starts
+  with "{"; raises with the end of its stderr if it fails."""
+  out = subprocess.run([*prefix, sys.executable, script, "--worker", *args],
+                       env=env, capture_output=True, text=True, check=False)
   lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
   if out.returncode or not lines:
     raise RuntimeError(f"worker {args} failed:\n{out.stderr[-3000:]}")
@@ -248,6 +251,11 @@ class TorchStep:
     import torch
     size, dims = MODELS[model_name].image_size, MODELS[model_name].dims()
     self.mode, self.batch = mode, worker_batch(model_name, mode, batch)
+    # No more threads than vit_jax's devices and kernels use: fewer than
+    # PyTorch's default where a container's CPU quota is smaller than the
+    # CPUs (its threads then burn the quota and stall; the same elsewhere).
+    from vit_jax.runtime import cpu_info
+    torch.set_num_threads(min(torch.get_num_threads(), cpu_info.cpu_cores()))
     if impl.startswith("timm"):
       import timm
       model = timm.models.vision_transformer.VisionTransformer(

@@ -4,6 +4,7 @@ import importlib
 import json
 import os
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -130,7 +131,8 @@ def test_cpu_devices_benchmark_compares_one_device_with_one_per_core():
                "--overrides=--config.model.num_layers=1")
   devices = [int(d) for d in re.findall(r"(\d+) device\(s\)",
                                         "\n".join(lines))]
-  assert devices == [1, len(os.sched_getaffinity(0))], lines
+  from vit_jax.runtime import cpu_info  # pylint: disable=import-outside-toplevel
+  assert devices == [1, cpu_info.cpu_cores()], lines
   summary = re.fullmatch(r"summary: per_core_over_one_device=([\d.]+) "
                          r"one_device=([\d.]+) per_core=([\d.]+)", lines[-1])
   assert summary, lines[-1]
@@ -1298,3 +1300,84 @@ def test_latency_benchmark_times_both_libraries_step_by_step():
       r'slow_torch=(\S+) cpu="[^"]+"', lines[-1])
   assert summary, lines[-1]
   assert all(float(value) >= 0 for value in summary.groups())
+
+
+def test_cpu_quota_benchmark_checks_its_options():
+  cpu_quota = _benchmark_module("cpu_quota")
+  args = cpu_quota.parse_args([])
+  assert (args.quota, args.model, args.mode, args.batch) == (
+      None, "ViT-Ti/16@224", "infer", 1)
+  for bad in ("--quota=0", "--quota=-1", "--seconds=0", "--rounds=0"):
+    with pytest.raises(SystemExit):
+      cpu_quota.parse_args([bad])
+
+
+def test_cpu_quota_report_compares_the_best_rounds():
+  """Each worker's best round by images/s; vit_jax sized by the quota
+  against sized by the CPUs (images/s, and their p99s the other way
+  round) and against the faster PyTorch worker."""
+  cpu_quota = _benchmark_module("cpu_quota")
+
+  def worker(images_per_s, p99_ms, cores):
+    return {"images_per_s": images_per_s, "mean_ms": 1e3 / images_per_s,
+            "median_ms": 0.9e3 / images_per_s, "p99_ms": p99_ms,
+            "cores": cores}
+
+  rounds = [{"vit_jax": worker(80, 16, 1), "vit_jax (by CPUs)": worker(
+      70, 58, 2), "timm": worker(36, 28, 1), "timm (by CPUs)": worker(
+          29, 73, 2)},
+            {"vit_jax": worker(88, 15, 1), "vit_jax (by CPUs)": worker(
+                66, 50, 2), "timm": worker(30, 30, 1),
+             "timm (by CPUs)": worker(40, 70, 2)}]
+  lines = cpu_quota.report(rounds, 1.0)
+  assert len([line for line in lines if line.startswith("| ")]) == 9
+  summary = re.fullmatch(
+      r'summary: quota=1\.00 cores=1 sized_vs_cpus=(\S+) '
+      r'p99_sized_vs_cpus=(\S+) sized_vs_torch=(\S+) cpu="[^"]+"', lines[-1])
+  assert summary, lines[-1]
+  assert [float(v) for v in summary.groups()] == [
+      round(88 / 70, 2), round(58 / 15, 2), round(88 / 40, 2)]
+
+
+def test_a_cgroups_quota_is_read_and_sized_by_inside_it():
+  """A cgroup with a CPU quota the kernel enforces (`QuotaCgroup`, the
+  benchmark's): a process in it reads the quota and sizes its cores by
+  it; the cgroup is gone afterwards."""
+  cpu_quota = _benchmark_module("cpu_quota")
+  if sys.platform != "linux" or os.geteuid() != 0:
+    pytest.skip("making a cgroup with a CPU quota needs root on Linux")
+  try:
+    group = cpu_quota.QuotaCgroup(0.5).__enter__()
+  except SystemExit as error:
+    pytest.skip(f"no cgroup with a CPU quota can be made here: {error}")
+  path = group.path
+  try:
+    out = subprocess.run(
+        [*group.command(), sys.executable, "-c",
+         "from vit_jax.runtime import cpu_info; "
+         "print(cpu_info.cpu_quota(), cpu_info.cpu_cores())"],
+        capture_output=True, text=True, check=True, timeout=120).stdout
+  finally:
+    group.__exit__()
+  assert out.split() == ["0.5", "1"]
+  assert not os.path.exists(path)
+
+
+def test_cpu_quota_benchmark_runs_every_worker():
+  """The command without --quota (the process's own cgroup), short: a row
+  per worker with the cores it sized itself for, and the summary."""
+  lines = _run("benchmarks/cpu_quota.py", "--model=vit_tiny_cifar",
+               "--seconds=0.2", "--warmup=1", "--rounds=1",
+               env={"XLA_FLAGS": ""}, timeout=300)
+  rows = {r[1].strip(): r for r in (line.split("|")[1:-1] for line in lines
+                                   if line.startswith("| 1 |"))}
+  assert list(rows) == ["vit_jax", "vit_jax (by CPUs)", "timm",
+                        "timm (by CPUs)"]
+  from vit_jax.runtime import cpu_info  # pylint: disable=import-outside-toplevel
+  assert int(rows["vit_jax"][2]) == cpu_info.cpu_cores()
+  assert int(rows["vit_jax (by CPUs)"][2]) == len(os.sched_getaffinity(0))
+  for row in rows.values():
+    assert float(row[3]) > 0 and float(row[5]) <= float(row[6]), row
+  assert re.fullmatch(r'summary: quota=\S+ cores=\d+ sized_vs_cpus=\S+ '
+                      r'p99_sized_vs_cpus=\S+ sized_vs_torch=\S+ cpu="[^"]+"',
+                      lines[-1]), lines[-1]

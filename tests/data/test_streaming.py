@@ -210,3 +210,13 @@ def test_max_examples_of_a_folder_sample_every_class(folder):
   again = datasets.load(_config(folder, max_train_examples=12))
   assert [again.train.read(i)[2] for i in range(12)] == [
       dataset.train.read(i)[2] for i in range(12)]
+
+
+@pytest.mark.parametrize("cores,workers", [(1, 1), (2, 1), (8, 4), (64, 16)])
+def test_default_decode_workers_are_half_the_usable_cores(monkeypatch, cores,
+                                                          workers):
+  """Half the cores vit_jax may use (a container's CPU quota counted), at
+  least 1, at most 16."""
+  from vit_jax.runtime import cpu_info  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(cpu_info, "cpu_cores", lambda: cores)
+  assert streaming.default_workers() == workers

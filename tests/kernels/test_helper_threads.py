@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from vit_jax.kernels import cpu_build, cpu_layer_norm
+from vit_jax.runtime import cpu_info
 
 from helpers import split_kernel_calls  # pylint: disable=wrong-import-order
 
@@ -96,7 +97,7 @@ def test_helpers_start_as_needed_and_sleep_when_idle(monkeypatch):
   operands = _inputs(0, 512)
   for _ in range(20):
     norm(*operands).block_until_ready()
-  cpus = len(os.sched_getaffinity(0))
+  cpus = cpu_info.cpu_cores()  # a container's quota may hold tasks to 1
   helpers = _helpers()
   if cpus >= 2:
     assert 1 <= len(helpers) <= cpus - 1

@@ -169,7 +169,7 @@ def test_split_cpu_into_devices_gives_single_threaded_devices():
   assert (result, devices) == (3, 3)
   assert "--xla_cpu_multi_thread_eigen=false" in flags.split()
   # -1: one device per core this process may use.
-  cores = len(os.sched_getaffinity(0))
+  cores = cpu_info.cpu_cores()
   result, devices, _, _ = _split(-1)
   assert devices == cores and result == (cores if cores > 1 else 0)
   # 0 leaves one multi-threaded device.
@@ -198,7 +198,7 @@ def test_a_device_per_core_only_as_far_as_the_batches_split_evenly():
   assert host.per_core_device_count((128, 100), cores=6) == 4
   assert host.per_core_device_count((7,), cores=4) == 1
   assert host.per_core_device_count((), cores=3) == 3
-  assert host.per_core_device_count() == len(os.sched_getaffinity(0))
+  assert host.per_core_device_count() == cpu_info.cpu_cores()
 
 
 def test_split_cpu_into_devices_rejects_a_negative_count():

@@ -153,6 +153,24 @@ def test_the_log_advises_a_device_per_fast_core_on_a_hybrid_cpu(monkeypatch):
   assert run.cpu_devices_advice(-1, 2) is None
 
 
+def test_the_log_notes_a_cpu_quota_below_the_cpus(monkeypatch):
+  """A container's quota below the CPUs this process may run on gets a
+  note with both and the cores vit_jax sizes itself for; a quota at or
+  above them, or none, nothing."""
+  from vit_jax.runtime import cpu_info  # pylint: disable=import-outside-toplevel
+  from vit_jax.training import run  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)),
+                      raising=False)
+  monkeypatch.setattr(cpu_info, "cpu_quota", lambda: 2.5)
+  note = run.cpu_quota_note()
+  assert note.startswith("Note: a CPU quota")
+  assert "2.50 CPUs' worth of time on its 8 CPUs" in note
+  assert "sized for 3 (" in note
+  for quota in (8.0, 16.0, None):
+    monkeypatch.setattr(cpu_info, "cpu_quota", lambda q=quota: q)
+    assert run.cpu_quota_note() is None
+
+
 def test_the_log_notes_the_state_copied_onto_each_cpu_device():
   """CPU devices that each hold a copy of the train state get a note with
   its size and the one-device alternative once the extra copies reach 512

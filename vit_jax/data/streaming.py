@@ -19,7 +19,6 @@ colour augmentation, RandAugment and Mixup/CutMix stay on device
 
 import collections
 import dataclasses
-import os
 from typing import Any, Iterator, Optional
 
 import jax
@@ -28,6 +27,7 @@ from absl import flags as absl_flags
 
 from vit_jax.data import examples as examples_lib
 from vit_jax.data import image_decode
+from vit_jax.runtime import cpu_info
 from vit_jax.runtime import sharding
 from vit_jax.training import metric_writer
 
@@ -36,8 +36,9 @@ _STATS_SAMPLE = 512
 
 
 def default_workers() -> int:
-  """Half the cores (the other half runs the step), at least 1, at most 16."""
-  return max(1, min(16, (os.cpu_count() or 2) // 2))
+  """Half the cores this process may use (the other half runs the step),
+  at least 1, at most 16."""
+  return max(1, min(16, cpu_info.cpu_cores() // 2))
 
 
 @dataclasses.dataclass

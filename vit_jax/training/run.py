@@ -182,6 +182,7 @@ def _log_model(config, spec: config_lib.RunSpec, mesh, state,
                  matmul_implementation_advice(dims.matmul_implementation,
                                               dims.matmul_dtype, dims.dtype),
                  cpu_devices_advice(config.cpu_devices, mesh.size),
+                 cpu_quota_note(),
                  replicated_state_note(len(mesh.local_devices),
                                        mesh.shape[sharding.FSDP_AXIS],
                                        _state_bytes(state))):
@@ -230,6 +231,20 @@ def cpu_devices_advice(cpu_devices: int, devices: int) -> Optional[str]:
           f"--config.cpu_devices={fast}, a device per fast core, may train "
           "faster. Neither has been measured on such a CPU: `python "
           "benchmarks/cpu_devices.py --config=...` times them here.")
+
+
+def cpu_quota_note() -> Optional[str]:
+  """A line for the log where a cgroup's CPU quota, not the CPUs this
+  process may run on, sets how many cores vit_jax uses; None elsewhere."""
+  quota = cpu_info.cpu_quota()
+  cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+  if jax.default_backend() != "cpu" or quota is None or quota >= cpus:
+    return None
+  return (f"Note: a CPU quota (a container's --cpus, a Kubernetes CPU limit) "
+          f"gives this process {quota:.2f} CPUs' worth of time on its {cpus} "
+          f"CPUs; the CPU devices and kernel threads are sized for "
+          f"{cpu_info.cpu_cores()} (docs/performance.md, *Containers' CPU "
+          "quotas*).")
 
 
 def _state_bytes(state) -> int:
