@@ -178,13 +178,10 @@ def report(rounds: list[dict], quota) -> list[str]:
   """The table of every round's workers, and the summary line."""
   lines = ["| round | worker | cores | images/s | mean ms | median ms | "
            "p99 ms |", "|---|---|---:|---:|---:|---:|---:|"]
-  for number, results in enumerate(rounds, 1):
-    for name, r in results.items():
-      lines.append(f"| {number} | {name} | {r['cores']} | "
-                   f"{r['images_per_s']:.1f} | {r['mean_ms']:.2f} | "
-                   f"{r['median_ms']:.2f} | {r['p99_ms']:.2f} |")
-  best = {name: max((results[name] for results in rounds),
-                    key=lambda r: r["images_per_s"]) for name in rounds[0]}
+  lines += latency.round_rows(rounds, lambda r: (
+      f"{r['cores']} | {r['images_per_s']:.1f} | {r['mean_ms']:.2f} | "
+      f"{r['median_ms']:.2f} | {r['p99_ms']:.2f}"))
+  best = latency.best_rounds(rounds, "images_per_s", max)
   jax, by_cpus = best["vit_jax"], best["vit_jax (by CPUs)"]
   torch = max(best["timm"], best["timm (by CPUs)"],
               key=lambda r: r["images_per_s"])
@@ -202,10 +199,7 @@ def main():
   args = parse_args()
   if args.worker:
     run_worker(args)
-  if missing := throughput.missing_packages():
-    sys.exit(f"benchmarks/cpu_quota.py times PyTorch's ViTs too, and "
-             f"{', '.join(missing)} cannot be imported here: pip install -e "
-             f"'.[bench]' (from the repository's root)")
+  throughput.require_raced_packages("cpu_quota.py")
   model, flags = race_report.cpu_description()
   print("Command: " + " ".join(["python benchmarks/cpu_quota.py",
                                 *sys.argv[1:]]))

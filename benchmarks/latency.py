@@ -128,17 +128,28 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
+def round_rows(rounds: list[dict], cells) -> list[str]:
+  """A table row for each worker of each round (rounds: worker name ->
+  its JSON): "| round | name | " and then cells(its JSON)."""
+  return [f"| {number} | {name} | {cells(result)} |"
+          for number, results in enumerate(rounds, 1)
+          for name, result in results.items()]
+
+
+def best_rounds(rounds: list[dict], key: str, pick=min) -> dict:
+  """Each worker's round with the lowest (pick=min) or highest `key`."""
+  return {name: pick((results[name] for results in rounds),
+                     key=lambda result: result[key]) for name in rounds[0]}
+
+
 def report(args: argparse.Namespace, rounds: list[dict]) -> list[str]:
   """The table of every round's workers, and the summary line."""
   lines = ["| round | implementation | median ms | mean ms | p90 ms | p99 ms "
            "| slow (>= 1.3x median) |", "|---|---|---:|---:|---:|---:|---:|"]
-  for number, results in enumerate(rounds, 1):
-    for impl, r in results.items():
-      lines.append(f"| {number} | {impl} | {r['median_ms']:.3f} | "
-                   f"{r['mean_ms']:.3f} | {r['p90_ms']:.3f} | "
-                   f"{r['p99_ms']:.3f} | {r['slow']:.1%} |")
-  best = {impl: min((results[impl] for results in rounds),
-                    key=lambda r: r["median_ms"]) for impl in rounds[0]}
+  lines += round_rows(rounds, lambda r: (
+      f"{r['median_ms']:.3f} | {r['mean_ms']:.3f} | {r['p90_ms']:.3f} | "
+      f"{r['p99_ms']:.3f} | {r['slow']:.1%}"))
+  best = best_rounds(rounds, "median_ms")
   torch = min((best[impl] for impl in args.torch),
               key=lambda r: r["median_ms"])
   jax = best["vit_jax"]
@@ -155,10 +166,7 @@ def main():
   args = parse_args()
   if args.worker:
     run_worker(args)
-  if missing := throughput.missing_packages():
-    sys.exit(f"benchmarks/latency.py times PyTorch's ViTs, and "
-             f"{', '.join(missing)} cannot be imported here: pip install -e "
-             f"'.[bench]' (from the repository's root)")
+  throughput.require_raced_packages("latency.py")
   env = race_workers.worker_environment(True, args.max_isa, args.matmul_dtype)
   model, flags = race_report.cpu_description()
   print("Command: " + " ".join(["python benchmarks/latency.py",

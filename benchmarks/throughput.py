@@ -252,15 +252,20 @@ def missing_packages(find_spec=importlib.util.find_spec) -> list[str]:
   return [name for name in RACED_PACKAGES if find_spec(name) is None]
 
 
+def require_raced_packages(script: str) -> None:
+  """Exits, saying what to install, where benchmarks/`script` (which times
+  PyTorch's ViTs) could not import them: before any worker starts."""
+  if missing := missing_packages():
+    sys.exit(f"benchmarks/{script} times PyTorch's ViTs, and "
+             f"{', '.join(missing)} cannot be imported here: pip install -e "
+             f"'.[bench]' (from the repository's root)")
+
+
 def main():
   args = parse_args()
   if args.worker:
     run_worker(args)
-  missing = missing_packages()
-  if missing:  # before minutes of GEMM workers, not in the first torch one
-    sys.exit(f"benchmarks/throughput.py races PyTorch's ViTs, and "
-             f"{', '.join(missing)} cannot be imported here: pip install -e "
-             f"'.[bench]' (from the repository's root)")
+  require_raced_packages("throughput.py")  # before minutes of GEMM workers
   from vit_jax.runtime import cpu_info  # pylint: disable=g-import-not-at-top
   env = race_workers.worker_environment(args.fast_malloc, args.max_isa,
                                         args.matmul_dtype)
