@@ -28,8 +28,7 @@ def cores_description(cores: int) -> str:
   --cpus) is what holds `cores` (`cpu_info.cpu_cores`) below the CPUs."""
   from vit_jax.runtime import cpu_info  # pylint: disable=g-import-not-at-top
   text = f"{cores} of {os.cpu_count()} cores"
-  quota = cpu_info.cpu_quota()
-  if quota is not None and quota < len(os.sched_getaffinity(0)):
+  if (quota := cpu_info.binding_cpu_quota()) is not None:
     text += f" (a CPU quota of {quota:.2f}: {cores} rounded up)"
   return text
 

@@ -107,8 +107,9 @@ def base_config(model: str = "ViT-Ti/4") -> ml_collections.ConfigDict:
   config.fsdp_min_size = 1024
   # On a CPU: split it into this many devices (-1: one per core it may
   # use, within a container's CPU quota), each running its part of the
-  # batch, so that independent chains of kernels keep the cores busy. Pays for small models (docs/performance.md);
-  # 0 keeps one multi-threaded device. Applied by main.py before JAX starts;
+  # batch, so that independent chains of kernels keep the cores busy. Pays
+  # for small models (docs/performance.md); 0 keeps one multi-threaded
+  # device. Applied by main.py before JAX starts;
   # an XLA_FLAGS device count of the user's wins.
   config.cpu_devices = 0
   # On a CPU, check before the train and eval steps first run that they fit

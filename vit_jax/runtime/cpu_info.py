@@ -9,8 +9,8 @@ import functools
 import glob
 import math
 import os
-import re
 import platform
+import re
 import subprocess
 import sys
 from typing import Optional
@@ -66,14 +66,25 @@ def cpu_cores() -> int:
   large steps: at 1.5 CPUs two devices trained `vit_tiny_cifar` 1.43x as
   fast as one (docs/performance.md, *Containers' CPU quotas*).
   """
+  quota = binding_cpu_quota()
+  if quota is None:
+    return allowed_cpus()
+  return max(1, math.ceil(round(quota, 3)))  # 2.0000001 CPUs: 2
+
+
+def allowed_cpus() -> int:
+  """CPUs this process may run on: its affinity mask (`taskset`), or every
+  CPU where the OS has none (macOS)."""
   if hasattr(os, "sched_getaffinity"):
-    cores = len(os.sched_getaffinity(0))
-  else:
-    cores = os.cpu_count() or 1
+    return len(os.sched_getaffinity(0))
+  return os.cpu_count() or 1
+
+
+def binding_cpu_quota() -> Optional[float]:
+  """`cpu_quota()` where it is below `allowed_cpus()`, so that it, not the
+  CPUs, sets `cpu_cores()`; else None."""
   quota = cpu_quota()
-  if quota is not None:
-    cores = min(cores, max(1, math.ceil(round(quota, 3))))
-  return cores
+  return quota if quota is not None and quota < allowed_cpus() else None
 
 
 # Where Linux says which cgroups this process is in and where the cgroup

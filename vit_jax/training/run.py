@@ -236,13 +236,12 @@ def cpu_devices_advice(cpu_devices: int, devices: int) -> Optional[str]:
 def cpu_quota_note() -> Optional[str]:
   """A line for the log where a cgroup's CPU quota, not the CPUs this
   process may run on, sets how many cores vit_jax uses; None elsewhere."""
-  quota = cpu_info.cpu_quota()
-  cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
-  if jax.default_backend() != "cpu" or quota is None or quota >= cpus:
+  quota = cpu_info.binding_cpu_quota()
+  if jax.default_backend() != "cpu" or quota is None:
     return None
   return (f"Note: a CPU quota (a container's --cpus, a Kubernetes CPU limit) "
-          f"gives this process {quota:.2f} CPUs' worth of time on its {cpus} "
-          f"CPUs; the CPU devices and kernel threads are sized for "
+          f"gives this process {quota:.2f} CPUs' worth of time on its "
+          f"{cpu_info.allowed_cpus()} CPUs; the CPU devices and kernel threads are sized for "
           f"{cpu_info.cpu_cores()} (docs/performance.md, *Containers' CPU "
           "quotas*).")
 
