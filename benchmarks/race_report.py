@@ -24,10 +24,14 @@ def cpu_description() -> tuple[str, list[str]]:
 
 
 def cores_description(cores: int) -> str:
-  """"2 of 8 cores", and the CPU quota where a cgroup's (a container's
-  --cpus) is what holds `cores` (`cpu_info.cpu_cores`) below the CPUs."""
+  """"2 of 8 cores", the threads a core where there are several (SMT: the
+  cores are then hardware threads), and the CPU quota where a cgroup's (a
+  container's --cpus) is what holds `cores` (`cpu_info.cpu_cores`) below
+  the CPUs."""
   from vit_jax.runtime import cpu_info  # pylint: disable=g-import-not-at-top
   text = f"{cores} of {os.cpu_count()} cores"
+  if (threads := cpu_info.threads_per_core()) > 1:
+    text += f", {threads} threads a core (SMT)"
   if (quota := cpu_info.binding_cpu_quota()) is not None:
     text += f" (a CPU quota of {quota:.2f}: {cores} rounded up)"
   return text

@@ -1381,3 +1381,17 @@ def test_cpu_quota_benchmark_runs_every_worker():
   assert re.fullmatch(r'summary: quota=\S+ cores=\d+ sized_vs_cpus=\S+ '
                       r'p99_sized_vs_cpus=\S+ sized_vs_torch=\S+ cpu="[^"]+"',
                       lines[-1]), lines[-1]
+
+
+def test_the_cpu_line_names_smt_and_a_binding_quota(monkeypatch):
+  race_report = _benchmark_module("race_report")
+  from vit_jax.runtime import cpu_info  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(os, "cpu_count", lambda: 8)
+  monkeypatch.setattr(cpu_info, "threads_per_core", lambda: 1)
+  monkeypatch.setattr(cpu_info, "binding_cpu_quota", lambda: None)
+  assert race_report.cores_description(8) == "8 of 8 cores"
+  monkeypatch.setattr(cpu_info, "threads_per_core", lambda: 2)
+  monkeypatch.setattr(cpu_info, "binding_cpu_quota", lambda: 1.5)
+  assert race_report.cores_description(2) == (
+      "2 of 8 cores, 2 threads a core (SMT) (a CPU quota of 1.50: 2 rounded "
+      "up)")

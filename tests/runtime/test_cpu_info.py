@@ -149,3 +149,22 @@ def test_cpu_cores_is_the_cpus_held_to_the_quota_rounded_up(monkeypatch,
   monkeypatch.setattr(cpu_info, "cpu_quota", lambda: quota)
   assert cpu_info.cpu_cores() == cores
 
+
+
+@pytest.mark.parametrize("siblings,allowed,threads", [
+    # Two threads a core (SMT), CPUs numbered core by core or thread by
+    # thread; held by the affinity mask to one thread of each core.
+    ({0: "0-1", 1: "0-1", 2: "2-3", 3: "2-3"}, range(4), 2),
+    ({0: "0,4", 1: "1,5", 4: "0,4", 5: "1,5"}, [0, 1, 4, 5], 2),
+    ({0: "0,4", 1: "1,5", 4: "0,4", 5: "1,5"}, [0, 1], 1),
+    ({0: "0", 1: "1"}, range(2), 1),  # one thread a core (this guest)
+    ({}, range(2), 1)])  # no sysfs
+def test_threads_per_core_counts_the_allowed_siblings(tmp_path, monkeypatch,
+                                                      siblings, allowed,
+                                                      threads):
+  _sysfs(tmp_path, {f"system/cpu/cpu{cpu}/topology/thread_siblings_list":
+                    text for cpu, text in siblings.items()})
+  monkeypatch.setattr(cpu_info, "SYSFS_DEVICES", str(tmp_path))
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(allowed),
+                      raising=False)
+  assert cpu_info.threads_per_core() == threads

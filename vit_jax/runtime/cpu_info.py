@@ -219,6 +219,20 @@ def _linux_core_kinds() -> Optional[tuple[set[int], set[int]]]:
           {cpu for cpu, c in capacities.items() if c < top})
 
 
+def threads_per_core() -> int:
+  """Hardware threads a core runs for this process (2 with SMT, Intel's
+  Hyper-Threading, on most x86 CPUs): the most of one core's siblings in
+  its affinity mask, from Linux's sysfs; 1 where it cannot tell."""
+  if not hasattr(os, "sched_getaffinity"):
+    return 1
+  allowed = os.sched_getaffinity(0)
+  counts = [len(_cpu_list(text) & allowed) for cpu in allowed
+            if (text := read_text(os.path.join(
+                SYSFS_DEVICES, "system", "cpu", f"cpu{cpu}", "topology",
+                "thread_siblings_list")))]
+  return max(counts, default=1)
+
+
 def sysctl(name: str) -> Optional[str]:
   """The value of a sysctl variable (macOS, the BSDs), or None where there
   is none."""
