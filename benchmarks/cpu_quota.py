@@ -122,7 +122,7 @@ def run_worker(args: argparse.Namespace) -> None:
   else:
     step = race_workers.TorchStep(args.impl, args.model, args.mode,
                                   args.batch)
-  times = latency.step_times(step, args.warmup, 1, args.seconds)
+  times = race_workers.step_times(step, args.warmup, 1, args.seconds)
   stats = latency.latency_stats(times)
   stats.update(images_per_s=step.batch * 1e3 / stats["mean_ms"],
                cores=cpu_info.cpu_cores())

@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 # This folder's modules: the CPU's description, the race's steps and
 # environment, and which of PyTorch's packages are missing.
@@ -38,20 +37,6 @@ import throughput
 
 # A step this many times the median or longer counts as slow.
 SLOW_FACTOR = 1.3
-
-
-def step_times(step, warmup: int, steps: int,
-               min_seconds: float = 0.0) -> list[float]:
-  """Seconds of each call of step() after `warmup` calls: `steps` calls,
-  and more until they have taken min_seconds."""
-  for _ in range(warmup):
-    step()
-  times = []
-  while len(times) < steps or sum(times) < min_seconds:
-    start = time.perf_counter()
-    step()
-    times.append(time.perf_counter() - start)
-  return times
 
 
 def latency_stats(times: list[float]) -> dict:
@@ -84,7 +69,8 @@ def run_worker(args: argparse.Namespace) -> None:
   else:
     step = race_workers.TorchStep(args.impl, args.model, args.mode,
                                   args.batch)
-  stats = latency_stats(step_times(step, args.warmup, args.steps))
+  stats = latency_stats(race_workers.step_times(step, args.warmup,
+                                               args.steps))
   print(json.dumps(stats), flush=True)
   os._exit(0)  # skips tearing down torch or JAX
 

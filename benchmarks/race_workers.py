@@ -94,16 +94,25 @@ def worker_batch(model_name: str, mode: str, batch=None) -> int:
 MIN_TIMED_SECONDS = 1.0
 
 
-def time_steps(run, steps: int, min_seconds: float = 0.0) -> float:
-  """Median seconds of calls of run() after one warm-up call: `steps`
-  calls, and more until they have taken min_seconds."""
-  run()
-  times = []
-  while len(times) < steps or sum(times) < min_seconds:
+def step_times(run, warmup: int, steps: int,
+               min_seconds: float = 0.0) -> list[float]:
+  """Seconds of each call of run() after `warmup` calls: `steps` calls,
+  and more until they have taken min_seconds."""
+  for _ in range(warmup):
+    run()
+  times, total = [], 0.0
+  while len(times) < steps or total < min_seconds:
     start = time.perf_counter()
     run()
     times.append(time.perf_counter() - start)
-  return statistics.median(times)
+    total += times[-1]
+  return times
+
+
+def time_steps(run, steps: int, min_seconds: float = 0.0) -> float:
+  """Median seconds of calls of run() after one warm-up call: `steps`
+  calls, and more until they have taken min_seconds."""
+  return statistics.median(step_times(run, 1, steps, min_seconds))
 
 
 def spawn_worker(script: str, args: list[str], env: dict,
