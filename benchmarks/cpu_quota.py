@@ -200,16 +200,17 @@ def main():
   if args.worker:
     run_worker(args)
   throughput.require_raced_packages("cpu_quota.py")
+  from vit_jax.runtime import cpu_info  # pylint: disable=g-import-not-at-top
   model, flags = race_report.cpu_description()
   print("Command: " + " ".join(["python benchmarks/cpu_quota.py",
                                 *sys.argv[1:]]))
-  print(f"CPU: {model}; {', '.join(flags)}; {os.cpu_count()} CPUs; load "
+  print(f"CPU: {model}; {', '.join(flags)}; "
+        f"{race_report.cores_description(cpu_info.cpu_cores())}; load "
         f"{race_report.machine_load()}")
   print(f"{args.model} {args.mode}, batch {args.batch}, {args.seconds:g} s "
         f"of steps a worker after {args.warmup}")
   start = time.perf_counter()
   if args.quota is None:
-    from vit_jax.runtime import cpu_info  # pylint: disable=g-import-not-at-top
     quota = cpu_info.cpu_quota()
     print(f"Workers in this process's cgroup: a CPU quota of {quota}")
     rounds = run_rounds(args, [])
