@@ -21,6 +21,13 @@ and compares vit_jax with the PyTorch variant whose median is lowest:
 
 (numbers illustrative). *_vs_torch: PyTorch's milliseconds over vit_jax's (above 1: vit_jax is
 faster); slow_*: the share of slow steps. Batch 1 by default (--batch).
+
+--jax_env=NAME=VALUE[,NAME=VALUE] adds a worker, "vit_jax NAME=VALUE", that
+runs vit_jax's step with those environment variables too, in the same
+rounds (e.g. VIT_JAX_KERNEL_HELPERS=0: the kernels' tasks on XLA's threads
+only, csrc/helper_threads.h), and the summary then ends its figures with
+variant_vs_jax= (vit_jax's median over the variant's: above 1, the variant
+is faster).
 """
 
 import argparse
@@ -102,7 +109,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                       choices=("float32", "bfloat16"))
   parser.add_argument("--max_isa", default="native",
                       choices=("native", "avx2"))
+  parser.add_argument("--jax_env", default="",
+                      help="NAME=VALUE[,NAME=VALUE]: also time vit_jax "
+                      "with these environment variables (its own worker)")
   args = parser.parse_args(argv)
+  args.jax_env = _variables(parser, args.jax_env)
   args.torch = [impl for impl in args.torch.split(",") if impl]
   unknown = sorted(set(args.torch) - set(race_workers.TORCH_IMPLS))
   if unknown or not args.torch:
@@ -112,6 +123,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     if getattr(args, name) < 1:
       parser.error(f"--{name} must be at least 1")
   return args
+
+
+def _variables(parser: argparse.ArgumentParser, text: str) -> dict:
+  """--jax_env's NAME=VALUE pairs as a dict (empty if none given)."""
+  pairs = [item.split("=", 1) for item in text.split(",") if item]
+  if any(len(pair) != 2 or not pair[0] for pair in pairs):
+    parser.error(f"--jax_env: expected NAME=VALUE[,NAME=VALUE], got {text!r}")
+  return dict(pairs)
+
+
+def variant_name(jax_env: dict) -> str:
+  """The --jax_env worker's name in the table."""
+  return "vit_jax " + ",".join(f"{k}={v}" for k, v in jax_env.items())
 
 
 def round_rows(rounds: list[dict], cells) -> list[str]:
@@ -140,11 +164,15 @@ def report(args: argparse.Namespace, rounds: list[dict]) -> list[str]:
               key=lambda r: r["median_ms"])
   jax = best["vit_jax"]
   cpu = race_report.cpu_description()[0]
+  variant = ""
+  if args.jax_env:
+    other = best[variant_name(args.jax_env)]
+    variant = f"variant_vs_jax={jax['median_ms'] / other['median_ms']:.2f} "
   lines.append(
       f"summary: median_vs_torch={torch['median_ms'] / jax['median_ms']:.2f} "
       f"p99_vs_torch={torch['p99_ms'] / jax['p99_ms']:.2f} "
       f"slow_jax={jax['slow']:.3f} slow_torch={torch['slow']:.3f} "
-      f'cpu="{cpu}"')
+      f'{variant}cpu="{cpu}"')
   return lines
 
 
@@ -160,12 +188,17 @@ def main():
   print(f"CPU: {model}; {', '.join(flags)}; load {race_report.machine_load()}")
   print(f"{args.model} {args.mode}, batch {args.batch}, {args.matmul_dtype} "
         f"products, {args.steps} steps a worker after {args.warmup}")
-  impls = ["vit_jax", *args.torch]
+  # Each worker's name: the implementation it runs and its environment.
+  workers = {"vit_jax": ("vit_jax", env)}
+  if args.jax_env:
+    workers[variant_name(args.jax_env)] = ("vit_jax", {**env, **args.jax_env})
+  workers.update((impl, (impl, env)) for impl in args.torch)
+  names = list(workers)
   rounds = []
   for number in range(args.rounds):
-    order = impls if number % 2 == 0 else impls[::-1]
-    results = {impl: spawn(args, impl, env) for impl in order}
-    rounds.append({impl: results[impl] for impl in impls})
+    order = names if number % 2 == 0 else names[::-1]
+    results = {name: spawn(args, *workers[name]) for name in order}
+    rounds.append({name: results[name] for name in names})
   print("\n".join(report(args, rounds)))
 
 

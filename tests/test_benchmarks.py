@@ -1282,6 +1282,38 @@ def test_latency_benchmark_rejects_unknown_pytorch_variants():
     latency.parse_args(["--steps=0"])
 
 
+def test_latency_benchmark_reads_its_variant_environment():
+  """--jax_env's NAME=VALUE pairs (a value may hold "="); none by default;
+  a pair without a name or "=" is refused."""
+  latency = _benchmark_module("latency")
+  assert latency.parse_args([]).jax_env == {}
+  args = latency.parse_args(["--jax_env=VIT_JAX_KERNEL_HELPERS=0,A=b=c"])
+  assert args.jax_env == {"VIT_JAX_KERNEL_HELPERS": "0", "A": "b=c"}
+  assert (latency.variant_name(args.jax_env)
+          == "vit_jax VIT_JAX_KERNEL_HELPERS=0,A=b=c")
+  for bad in ("--jax_env=HELPERS", "--jax_env==0"):
+    with pytest.raises(SystemExit):
+      latency.parse_args([bad])
+
+
+def test_latency_report_compares_the_variant_with_vit_jax():
+  """With --jax_env the summary's figures end with vit_jax's best median
+  over the variant's best median; the rest is as without it."""
+  latency = _benchmark_module("latency")
+  args = latency.parse_args(["--jax_env=VIT_JAX_KERNEL_HELPERS=0",
+                             "--torch=timm"])
+  variant = latency.variant_name(args.jax_env)
+  stats = lambda median: {"median_ms": median, "mean_ms": median,
+                          "p90_ms": median, "p99_ms": 2 * median,
+                          "slow": 0.0}
+  rounds = [{"vit_jax": stats(5.0), variant: stats(4.4), "timm": stats(9.0)},
+            {"vit_jax": stats(4.8), variant: stats(4.0), "timm": stats(9.6)}]
+  summary = latency.report(args, rounds)[-1]
+  assert re.fullmatch(
+      r'summary: median_vs_torch=1\.88 p99_vs_torch=1\.88 slow_jax=0\.000 '
+      r'slow_torch=0\.000 variant_vs_jax=1\.20 cpu="[^"]+"', summary), summary
+
+
 def test_latency_benchmark_times_both_libraries_step_by_step():
   """The command as documented, short: a row per worker and round, each
   with its percentiles in order, and the summary line comparing them."""

@@ -1,6 +1,7 @@
 """The threads the C++ kernels split their calls over (csrc/helper_threads.h,
 csrc/parallel_tasks.h): whole results from calls made at once, helpers
-started only as needed, and idle ones asleep, not spinning."""
+started only as needed, idle ones asleep, not spinning, and none where
+$VIT_JAX_KERNEL_HELPERS is 0."""
 
 import concurrent.futures
 import os
@@ -15,7 +16,7 @@ import pytest
 from vit_jax.kernels import cpu_build, cpu_layer_norm
 from vit_jax.runtime import cpu_info
 
-from helpers import split_kernel_calls  # pylint: disable=wrong-import-order
+from helpers import run_python, split_kernel_calls  # pylint: disable=wrong-import-order
 
 needs_kernels = pytest.mark.skipif(
     cpu_build.problem() is not None,
@@ -112,3 +113,45 @@ def test_helpers_start_as_needed_and_sleep_when_idle(monkeypatch):
   # Woken again, they still split the work: the same values.
   split_kernel_calls(monkeypatch, 1)
   np.testing.assert_array_equal(norm(*operands), _layer_norm()(*operands))
+
+
+# Normalises rows split into 2 tasks and into 1, 20 calls each, in a fresh
+# process (the helpers' switch is read once a process); prints how many
+# helper threads it then has and whether the two results are equal.
+_SPLIT_CALLS = f"""
+import pathlib
+import jax
+import numpy as np
+from vit_jax.kernels import cpu_build, cpu_gemm, cpu_layer_norm
+assert cpu_build.load() is None, cpu_build.load()  # registers the handlers
+rng = np.random.default_rng(0)
+x, scale, bias = (rng.normal(size=shape).astype(np.float32)
+                  for shape in ((1, 512, 64), (64,), (64,)))
+def normalise(tasks):
+  cpu_gemm.tasks_per_device = lambda: tasks
+  cpu_gemm.tasks_for_elements = lambda _: tasks
+  jax.clear_caches()
+  norm = jax.jit(lambda *a: cpu_layer_norm.layer_norm(*a, {EPSILON}))
+  return [np.asarray(norm(x, scale, bias)) for _ in range(20)][-1]
+split, whole = normalise(2), normalise(1)
+helpers = sum((task / "comm").read_text().strip() == "{HELPER_NAME}"
+              for task in pathlib.Path("/proc/self/task").iterdir())
+print(helpers, bool(np.array_equal(split, whole)))
+"""
+
+
+@needs_kernels
+@linux_only
+@pytest.mark.skipif(cpu_info.cpu_cores() < 2,
+                    reason="one CPU: the kernels start no helpers anyway")
+def test_helpers_switched_off_leave_every_task_to_xla_threads():
+  """With VIT_JAX_KERNEL_HELPERS=0 calls split into two tasks start no
+  helper thread and give the same values as one task; without it the same
+  calls start one."""
+  for setting, expect_helpers in (("0", False), ("", True)):
+    result = run_python("-c", _SPLIT_CALLS,
+                        env={"VIT_JAX_KERNEL_HELPERS": setting}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    helpers, equal = result.stdout.split()
+    assert (int(helpers) > 0) == expect_helpers, (setting, helpers)
+    assert equal == "True"

@@ -22,7 +22,8 @@ call into tasks (its `tasks` attribute): short calls' on helper threads
 that spin for the next task before they sleep
 (`$VIT_JAX_KERNEL_SPIN_US` microseconds, default 1000; 0 sleeps at once),
 long ones' on XLA's threads (`csrc/helper_threads.h`,
-`csrc/parallel_tasks.h`).
+`csrc/parallel_tasks.h`); `$VIT_JAX_KERNEL_HELPERS=0` gives every call's
+tasks to XLA's threads.
 """
 
 import ctypes

@@ -34,6 +34,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <system_error>
 #include <thread>
 
@@ -79,6 +80,18 @@ class HelperThreads {
     if (Instance().compare_exchange_strong(helpers, created)) return *created;
     delete created;  // another thread's came first (no threads started yet)
     return *helpers;
+  }
+
+  // Whether short calls' tasks go to helpers at all: not where
+  // $VIT_JAX_KERNEL_HELPERS is 0, which gives every call's tasks to XLA's
+  // threads (read once; for comparing the two on a CPU, e.g. with
+  // benchmarks/latency.py --jax_env=VIT_JAX_KERNEL_HELPERS=0).
+  static bool Wanted() {
+    static const bool wanted = [] {
+      const char* text = std::getenv("VIT_JAX_KERNEL_HELPERS");
+      return !(text && std::string(text) == "0");
+    }();
+    return wanted;
   }
 
   // Hands `job` to `count` helpers (each runs it once), starting threads

@@ -80,7 +80,8 @@ void ForEachTask(xla::ffi::ThreadPool& pool, CallCost cost, int64_t tasks,
     }
   };
   // Each thread's share of the call: how long it will be busy.
-  if (cost.Nanoseconds() / (others + 1) < kHelperTaskNanoseconds) {
+  if (cost.Nanoseconds() / (others + 1) < kHelperTaskNanoseconds &&
+      vit_jax_kernels::HelperThreads::Wanted()) {
     vit_jax_kernels::HelperThreads::Get().Run(run, others);
   } else {
     for (int64_t h = 0; h < others; ++h) pool.Schedule(decltype(run)(run));
