@@ -196,10 +196,12 @@ def test_step_ab_takes_another_batch_and_xla_options():
 
 def test_step_ab_compares_two_softmaxes_in_one_process():
   """benchmarks/step_ab.py on a 2-layer vit_tiny_cifar: both variants
-  step, the summary line parses, and XLA's scratch shows what
-  jax.nn.softmax keeps beside its output: one more (B, heads, T, T) array
-  for the first block, 128 x 3 x 65 x 65 floats (the last block attends
-  from the class token only)."""
+  step, the summary line parses, and XLA's scratch with vit_jax's softmax
+  is no more than with jax.nn.softmax. Up to JAX 0.12.0 it was one
+  (B, heads, T, T) array less, 128 x 3 x 65 x 65 floats for the first
+  block (jax.nn.softmax's exp(logits - max) beside its output; the last
+  block attends from the class token only); with 0.12.1's XLA the two
+  are equal (docs/performance.md, *Newer JAX releases*)."""
   lines = _run("benchmarks/step_ab.py", "--model=vit_tiny_cifar",
                "--a={\"num_layers\": 2}",
                "--b={\"num_layers\": 2, \"attention_implementation\": "
@@ -209,9 +211,7 @@ def test_step_ab_compares_two_softmaxes_in_one_process():
                          r"a_temp_mib=(\d+) b_temp_mib=(\d+)", lines[-1])
   assert summary, lines[-1]
   assert 0.2 < float(summary.group(1)) < 5
-  probabilities_mib = 128 * 3 * 65 * 65 * 4 / 2**20
-  assert (int(summary.group(2)) - int(summary.group(3))
-          >= probabilities_mib - 1), lines[-1]
+  assert int(summary.group(3)) <= int(summary.group(2)), lines[-1]
   assert any(line.startswith("A: ") and "softmax=jax.nn" in line
              for line in lines)
 
