@@ -1,7 +1,7 @@
 """The threads the C++ kernels split their calls over (csrc/helper_threads.h,
-csrc/parallel_tasks.h): whole results from calls made at once, helpers
-started only as needed, idle ones asleep, not spinning, and none where
-$VIT_JAX_KERNEL_HELPERS is 0."""
+csrc/parallel_tasks.h, helper_threads.py): whole results from calls made at
+once, helpers started only as needed, idle ones asleep, not spinning, none
+where $VIT_JAX_KERNEL_HELPERS is 0, and none for a train step's calls."""
 
 import concurrent.futures
 import os
@@ -10,13 +10,14 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from vit_jax.kernels import cpu_build, cpu_layer_norm
 from vit_jax.runtime import cpu_info
 
-from helpers import run_python, split_kernel_calls  # pylint: disable=wrong-import-order
+from helpers import run_python, small_vit, split_kernel_calls  # pylint: disable=wrong-import-order
 
 needs_kernels = pytest.mark.skipif(
     cpu_build.problem() is not None,
@@ -155,3 +156,42 @@ def test_helpers_switched_off_leave_every_task_to_xla_threads():
     helpers, equal = result.stdout.split()
     assert (int(helpers) > 0) == expect_helpers, (setting, helpers)
     assert equal == "True"
+
+
+def _helpers_attributes(jaxpr, found: list) -> list:
+  """(primitive name, its `helpers` attribute) of every kernel call in
+  jaxpr and the jaxprs inside it (scan bodies, jitted blocks)."""
+  for eqn in jaxpr.eqns:
+    if "helpers" in eqn.params:
+      found.append((eqn.primitive.name, eqn.params["helpers"]))
+    for value in eqn.params.values():
+      for inner in (value if isinstance(value, (list, tuple)) else [value]):
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          _helpers_attributes(inner, found)
+  return found
+
+
+@needs_kernels
+@pytest.mark.parametrize("remat,scan", [(False, False), (True, False),
+                                        (True, True)])
+def test_only_calls_outside_a_train_step_may_take_helpers(remat, scan):
+  """A ViT's products, GELU and LayerNorm kernels are bound with
+  helpers=True for inference and helpers=False in its gradient (the custom
+  VJPs' rules, the rematerialised blocks' recomputation included), traced
+  in turn in one process: the jitted blocks' trace cache, shared by both,
+  does not carry one's attribute into the other."""
+  model = small_vit(hidden_size=64, num_layers=3, remat_blocks=remat,
+                    scan_blocks=scan)
+  images = jnp.ones((2, 16, 16, 3))
+  params = model.init(jax.random.PRNGKey(0), images, train=False)
+  infer = lambda p: model.apply(p, images, train=False)
+  gradient = jax.grad(lambda p: jnp.sum(model.apply(p, images, train=False)))
+  for function, helpers in ((infer, True), (gradient, False),
+                            (infer, True)):
+    calls = _helpers_attributes(jax.make_jaxpr(function)(params).jaxpr, [])
+    names = {name for name, _ in calls}
+    assert {"VitGemm", "VitGelu", "VitLayerNormForward"} <= names, names
+    if not helpers:
+      assert {"VitGemmOverRows", "VitGemmTransposedRight"} <= names, names
+    assert {flag for _, flag in calls} == {helpers}, calls

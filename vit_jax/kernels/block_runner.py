@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vit_jax.kernels import matmuls
+from vit_jax.kernels import helper_threads, matmuls
 
 
 def apply_block(block: nn.Module, params: Any, x: jax.Array,
@@ -49,6 +49,7 @@ _apply_block_rematerialized = jax.custom_vjp(
     apply_block, nondiff_argnums=_STATIC_ARGS)
 
 
+@helper_threads.on_xla_threads
 def _rematerialized_forward(block, params, x, rate, key, deterministic,
                             num_query_tokens, drop_path_uniforms=None):
   return (apply_block(block, params, x, rate, key, deterministic,
@@ -56,6 +57,7 @@ def _rematerialized_forward(block, params, x, rate, key, deterministic,
           (params, x, rate, key, drop_path_uniforms))
 
 
+@helper_threads.on_xla_threads
 def _rematerialized_backward(block, deterministic, num_query_tokens,
                              inputs, output_grad):
   params, x, rate, key, drop_path_uniforms = inputs

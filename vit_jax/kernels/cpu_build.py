@@ -18,12 +18,8 @@ its leading axes: under `jax.jit` with a batch-split mesh each device runs
 the kernel on its own part, with no gathering.
 
 Where a device has several cores (one image at a time), a kernel splits a
-call into tasks (its `tasks` attribute): short calls' on helper threads
-that spin for the next task before they sleep
-(`$VIT_JAX_KERNEL_SPIN_US` microseconds, default 1000; 0 sleeps at once),
-long ones' on XLA's threads (`csrc/helper_threads.h`,
-`csrc/parallel_tasks.h`); `$VIT_JAX_KERNEL_HELPERS=0` gives every call's
-tasks to XLA's threads.
+call into tasks (its `tasks` attribute), on helper threads or XLA's own
+(`helper_threads.py` says which and why).
 """
 
 import ctypes

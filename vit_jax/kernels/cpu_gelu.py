@@ -30,7 +30,7 @@ well, the backward kernel rounds the GELU's input's gradient too
 import jax
 import jax.numpy as jnp
 
-from vit_jax.kernels import cpu_build, cpu_gemm
+from vit_jax.kernels import cpu_build, cpu_gemm, helper_threads
 
 _F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 
@@ -96,7 +96,8 @@ def gelu(h: jax.Array, bias: jax.Array,
   _check(h, bias)
   (activations,) = _forward(activations_dtype).bind(
       h, cpu_build.per_group(bias, h.shape[0]),
-      tasks=cpu_gemm.tasks_per_device())
+      tasks=cpu_gemm.tasks_per_device(),
+      helpers=helper_threads.helpers_allowed())
   return activations
 
 

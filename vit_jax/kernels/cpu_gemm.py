@@ -41,7 +41,7 @@ from typing import Any, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 
-from vit_jax.kernels import cpu_build, xla_products
+from vit_jax.kernels import cpu_build, helper_threads, xla_products
 from vit_jax.runtime import cpu_info
 
 DISTRIBUTION = "onednn-cpu-gomp"
@@ -233,7 +233,7 @@ def rows_times(x: jax.Array, kernels: Kernels, operand_dtype: Any = None
                                            operand_dtype)
   (result,) = times.bind(
       x, *(cpu_build.per_group(kernel, x.shape[0]) for kernel in kernels),
-      tasks=tasks_per_device())
+      tasks=tasks_per_device(), helpers=helper_threads.helpers_allowed())
   return result
 
 
@@ -249,7 +249,7 @@ def rows_times_transposed(output_grad: jax.Array, kernels: Kernels,
       output_grad,
       *(cpu_build.per_group(kernel, output_grad.shape[0])
         for kernel in kernels),
-      tasks=tasks_per_device())
+      tasks=tasks_per_device(), helpers=helper_threads.helpers_allowed())
   return result
 
 
@@ -270,6 +270,7 @@ def rows_transposed_times(x: jax.Array, output_grad: jax.Array,
     raise ValueError(f"rows_transposed_times: widths {widths} do not add "
                      f"up to output_grad's {output_grad.shape[2]} columns")
   partials = over_rows.bind(x, output_grad, tasks=tasks_per_device(),
+                            helpers=helper_threads.helpers_allowed(),
                             widths=widths)
   sums = [partial.sum(axis=0) for partial in partials]
   return sums if split else sums[0]

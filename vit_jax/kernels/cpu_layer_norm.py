@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vit_jax.kernels import cpu_build, cpu_gemm, matmuls
+from vit_jax.kernels import cpu_build, cpu_gemm, helper_threads, matmuls
 
 # The encoder blocks' LayerNorm implementations (`VisionTransformer`'s
 # layer_norm_implementation): "auto" resolves to one of the others.
@@ -84,9 +84,11 @@ def _normalise(x, scale, bias, epsilon, tasks):
   groups = x.shape[0]
   return _FORWARD.bind(
       x, cpu_build.per_group(scale, groups), cpu_build.per_group(bias, groups),
-      epsilon=np.float32(epsilon), tasks=tasks)
+      epsilon=np.float32(epsilon), tasks=tasks,
+      helpers=helper_threads.helpers_allowed())
 
 
+@helper_threads.on_xla_threads
 def _layer_norm_forward(x, scale, bias, epsilon):
   y, mean, rstd = _normalise(x, scale, bias, epsilon,
                              cpu_gemm.tasks_per_device())

@@ -10,8 +10,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from vit_jax.kernels import (cpu_build, cpu_gelu, cpu_gemm, matmuls,
-                             xla_products)
+from vit_jax.kernels import (cpu_build, cpu_gelu, cpu_gemm, helper_threads,
+                             matmuls, xla_products)
 
 
 def _dense_numbers(inputs: jax.Array):
@@ -70,6 +70,7 @@ def _mlp_without_gradient(inputs, kernel0, bias0, kernel1, approximate,
 _mlp = jax.custom_vjp(_mlp_without_gradient, nondiff_argnums=(4, 5, 6))
 
 
+@helper_threads.on_xla_threads
 def _mlp_forward(inputs, kernel0, bias0, kernel1, approximate, operand_dtype,
                  implementation):
   output, hidden = _layers(inputs, kernel0, bias0, kernel1, approximate,
@@ -77,6 +78,7 @@ def _mlp_forward(inputs, kernel0, bias0, kernel1, approximate, operand_dtype,
   return output, (inputs, kernel0, hidden, bias0, kernel1)
 
 
+@helper_threads.on_xla_threads
 def _mlp_backward(approximate, operand_dtype, implementation, residuals,
                   output_grad):
   inputs, kernel0, hidden, bias0, kernel1 = residuals

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vit_jax.kernels import cpu_build, cpu_gemm, xla_products
+from vit_jax.kernels import cpu_build, cpu_gemm, helper_threads, xla_products
 
 # The Dense products' implementations (`VisionTransformer`'s
 # matmul_implementation): "auto" resolves to one of the others.
@@ -201,6 +201,7 @@ def dot(inputs, kernel, dimension_numbers, precision,
 _matmul = jax.custom_vjp(dot, nondiff_argnums=(2, 3, 4, 5, 6))
 
 
+@helper_threads.on_xla_threads
 def _matmul_forward(inputs, kernel, dimension_numbers, precision,
                     preferred_element_type, operand_dtype, implementation):
   return (dot(inputs, kernel, dimension_numbers, precision,
@@ -208,6 +209,7 @@ def _matmul_forward(inputs, kernel, dimension_numbers, precision,
           (inputs, kernel))
 
 
+@helper_threads.on_xla_threads
 def _matmul_backward_rule(dimension_numbers, precision, preferred_element_type,
                           operand_dtype, implementation, residuals,
                           output_grad):
@@ -226,10 +228,12 @@ def _side_by_side(operand_dtype, inputs, *kernels):
   return cpu_gemm.rows_times(inputs, kernels, operand_dtype)
 
 
+@helper_threads.on_xla_threads
 def _side_by_side_forward(operand_dtype, inputs, *kernels):
   return _side_by_side(operand_dtype, inputs, *kernels), (inputs, kernels)
 
 
+@helper_threads.on_xla_threads
 def _side_by_side_backward(operand_dtype, residuals, output_grad):
   inputs, kernels = residuals
   if output_grad.dtype != operand_dtype:  # else rounded as the gemms read it

@@ -109,6 +109,7 @@ ffi::Error AdamW(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
   // Per element: gradient, moments and parameter read, update and moments
   // written.
   CallCost cost;
+  cost.helpers = false;  // a train step's call
   for (const AdamWChunk& chunk : chunks) cost.bytes += 7 * 4 * chunk.length;
   ForEachTask(pool, cost, static_cast<int64_t>(chunks.size()),
               [&](int64_t task) { UpdateChunk(chunks[task], constants); },

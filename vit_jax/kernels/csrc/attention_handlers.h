@@ -197,7 +197,9 @@ CallCost AttentionCost(const Shape& s, int64_t passes) {
 void Forward(ffi::ThreadPool& pool, const Shape& s, const Operands& in,
              float* o, float* p, ForwardPairFunction forward_pair) {
   const int64_t tq = s.query_tokens;
-  ForEachBlock(pool, AttentionCost(s, 1), s.batch * s.heads,
+  CallCost cost = AttentionCost(s, 1);
+  cost.helpers = p == nullptr;  // inference's call, not training's
+  ForEachBlock(pool, cost, s.batch * s.heads,
                QueryBlocks(s, pool),
                [=](int64_t i, int64_t start, int64_t length) {
     const BiasedPair pair = WithBias(s, in, i, start, length);
@@ -233,7 +235,9 @@ void Backward(ffi::ThreadPool& pool, const Shape& s, const Operands& in,
   // Per pair and block: its dk, then its dv, (Tk x D) each.
   std::vector<float> scratch(split > 1 ? pairs * split * 2 * kv : 0);
   float* const parts = scratch.data();
-  ForEachBlock(pool, AttentionCost(s, 2), pairs, blocks,
+  CallCost cost = AttentionCost(s, 2);
+  cost.helpers = false;  // a train step's call
+  ForEachBlock(pool, cost, pairs, blocks,
                [=](int64_t i, int64_t start, int64_t length) {
     const int64_t ko = PairOffset(s, i, tk, s.kv_row);
     const BiasedPair pair = WithBias(s, in, i, start, length);
@@ -247,7 +251,7 @@ void Backward(ffi::ThreadPool& pool, const Shape& s, const Operands& in,
   }, s.threads);
   if (split == 1) return;
   // Each pair's blocks' dk and dv read, its own written.
-  const CallCost sums{4 * pairs * (split + 1) * 2 * kv};
+  const CallCost sums{4 * pairs * (split + 1) * 2 * kv, 0, false};
   ForEachTask(pool, sums, pairs, [=](int64_t i) {
     const int64_t ko = PairOffset(s, i, tk, s.kv_row);
     SumBlocks(tk, d, split, parts + i * split * 2 * kv, s.kv_row, dk + ko,

@@ -149,14 +149,16 @@ inline void ForEachVector(const GeluShape& s, int64_t g, int64_t start,
 template <ffi::DataType kActivations>
 ffi::Error GeluForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
                        ffi::Buffer<ffi::F32> bias,
-                       ffi::ResultBuffer<kActivations> a, int64_t tasks) {
+                       ffi::ResultBuffer<kActivations> a, int64_t tasks,
+                       bool helpers) {
   GeluShape s;
   if (ffi::Error error = CheckShape(h, bias, h.element_count(), &s);
       error.failure())
     return error;
   const float *hp = h.typed_data(), *bp = bias.typed_data();
   auto* ap = reinterpret_cast<ElementOf<kActivations>*>(a->typed_data());
-  const CallCost cost{static_cast<int64_t>(h.size_bytes() + a->size_bytes())};
+  const CallCost cost{static_cast<int64_t>(h.size_bytes() + a->size_bytes()),
+                      0, helpers};
   ForEachBlock(pool, cost, s.groups, Blocks(s.rows, tasks, 1),
                [=](int64_t g, int64_t start, int64_t length) {
                  const float* b = bp + g * s.n;
@@ -190,7 +192,8 @@ ffi::Error GeluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
   std::vector<float> sums(s.groups * blocks.count() * s.n, 0.0f);
   float* sums_p = sums.data();
   const CallCost cost{static_cast<int64_t>(
-      h.size_bytes() + da.size_bytes() + a->size_bytes() + dh->size_bytes())};
+      h.size_bytes() + da.size_bytes() + a->size_bytes() + dh->size_bytes()),
+      0, /*helpers=*/false};  // a train step's call
   ForEachBlock(pool, cost, s.groups, blocks,
                [=](int64_t g, int64_t start, int64_t length) {
                  const float* b = bp + g * s.n;
@@ -246,7 +249,8 @@ ffi::Error GeluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
                                     .Arg<ffi::Buffer<ffi::F32>>() /* h */    \
                                     .Arg<ffi::Buffer<ffi::F32>>() /* b */    \
                                     .Ret<ffi::Buffer<ACTIVATIONS>>()         \
-                                    .Attr<int64_t>("tasks"));                \
+                                    .Attr<int64_t>("tasks")                  \
+                                    .Attr<bool>("helpers"));                 \
   VIT_GELU_BACKWARD_HANDLER(VitGeluBackward##SUFFIX, ACTIVATIONS, ffi::F32)
 
 VIT_GELU_HANDLERS(, ffi::F32);

@@ -145,7 +145,8 @@ bool JoinsKernels(int64_t rows, int64_t tasks) {
 template <ffi::DataType kType, bool kTransposedRight>
 ffi::Error RowsTimes(ffi::ThreadPool pool, ffi::Buffer<kType> a,
                      ffi::RemainingArgs b_args,
-                     ffi::ResultBuffer<ffi::F32> c, int64_t tasks) {
+                     ffi::ResultBuffer<ffi::F32> c, int64_t tasks,
+                     bool helpers) {
   using T = Element<kType>;
   auto ad = a.dimensions();
   SideBySide<const T> b;
@@ -166,7 +167,7 @@ ffi::Error RowsTimes(ffi::ThreadPool pool, ffi::Buffer<kType> a,
   std::atomic<int>* sp = &status;
   const CallCost cost{static_cast<int64_t>(a.size_bytes() + b.bytes +
                                            c->size_bytes()),
-                      2 * groups * m * n * k};
+                      2 * groups * m * n * k, helpers};
   const bool by_columns = SplitColumns(m, n, tasks);
   ForEachBlock(pool, cost, groups, Blocks(by_columns ? n : m, tasks, 16),
                [=](int64_t g, int64_t start, int64_t length) {
@@ -199,7 +200,7 @@ ffi::Error RowsTimes(ffi::ThreadPool pool, ffi::Buffer<kType> a,
 template <ffi::DataType kType>
 ffi::Error OverRows(ffi::ThreadPool pool, ffi::Buffer<kType> a,
                     ffi::Buffer<kType> b, ffi::RemainingRets c_rets,
-                    int64_t tasks) {
+                    int64_t tasks, bool helpers) {
   using T = Element<kType>;
   auto ad = a.dimensions(), bd = b.dimensions();
   if (ffi::Error error = Loaded<T>(); error.failure()) return error;
@@ -224,7 +225,7 @@ ffi::Error OverRows(ffi::ThreadPool pool, ffi::Buffer<kType> a,
   std::atomic<int>* sp = &status;
   const CallCost cost{
       static_cast<int64_t>(a.size_bytes() + b.size_bytes() + c.bytes),
-      2 * groups * r * k * n};
+      2 * groups * r * k * n, helpers};
   const SideBySide<float> parts = c;
   std::vector<float> joined;
   // Every task reads all r rows of a, its blocks being c's columns.
@@ -255,10 +256,11 @@ extern "C" void VitSetGemm(void* sgemm_function, void* gemm_bf16_function,
   set_omp_threads = reinterpret_cast<SetThreadsFunction>(set_threads_function);
 }
 
-#define VIT_GEMM_HANDLER(NAME, FUNCTION, OPERANDS) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(                  \
-      NAME, (FUNCTION),                           \
-      ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() OPERANDS.Attr<int64_t>("tasks"))
+#define VIT_GEMM_HANDLER(NAME, FUNCTION, OPERANDS)                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                        \
+      NAME, (FUNCTION),                                                 \
+      ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() OPERANDS.Attr<int64_t>(   \
+          "tasks").Attr<bool>("helpers"))
 
 // x.W and dy.W^T: a, then the kernels side by side; one result.
 #define VIT_GEMM_KERNELS(TYPE) \

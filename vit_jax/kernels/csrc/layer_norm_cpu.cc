@@ -104,7 +104,7 @@ ffi::Error LayerNormForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                    ffi::ResultBuffer<ffi::F32> y,
                    ffi::ResultBuffer<ffi::F32> mean,
                    ffi::ResultBuffer<ffi::F32> rstd, float epsilon,
-                   int64_t tasks) {
+                   int64_t tasks, bool helpers) {
   auto xd = x.dimensions();
   if (xd.size() != 3 || scale.dimensions().size() != 2 ||
       scale.dimensions()[1] != xd[2] || bias.dimensions()[1] != xd[2])
@@ -116,7 +116,7 @@ ffi::Error LayerNormForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   float *yp = y->typed_data(), *mp = mean->typed_data(),
         *rp = rstd->typed_data();
   // x read, y written.
-  const CallCost cost{2 * static_cast<int64_t>(x.size_bytes())};
+  const CallCost cost{2 * static_cast<int64_t>(x.size_bytes()), 0, helpers};
   ForEachBlock(pool, cost, groups, Blocks(rows, tasks, 1),
                [=](int64_t g, int64_t start, int64_t length) {
                  const int64_t row = g * rows + start;
@@ -150,7 +150,8 @@ ffi::Error LayerNormBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   std::vector<float> sums(2 * groups * count * d, 0.0f);
   float* sums_p = sums.data();
   // x and dy read, dx written.
-  const CallCost cost{3 * static_cast<int64_t>(x.size_bytes())};
+  const CallCost cost{3 * static_cast<int64_t>(x.size_bytes()), 0,
+                      /*helpers=*/false};  // a train step's call
   ForEachBlock(pool, cost, groups, blocks,
                [=](int64_t g, int64_t start, int64_t length) {
                  const int64_t row = g * rows + start;
@@ -187,7 +188,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VitLayerNormForward, LayerNormForward,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // mean
                                   .Ret<ffi::Buffer<ffi::F32>>()  // rstd
                                   .Attr<float>("epsilon")
-                                  .Attr<int64_t>("tasks"));
+                                  .Attr<int64_t>("tasks")
+                                  .Attr<bool>("helpers"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(VitLayerNormBackward, LayerNormBackward,
                               ffi::Ffi::Bind()

@@ -23,9 +23,17 @@ namespace {
 // What a kernel call reads and writes and computes, all its tasks
 // together: a rough time on one core (~16 bytes and ~256 flops a
 // nanosecond; within a few times of any current CPU's, which is all the
-// choice of threads below needs).
+// choice of threads below needs); and whether its tasks may go to the
+// helpers at all. Not for a train step's calls (the forward rules of
+// custom VJPs, backward passes, the optimizer): a train step keeps XLA's
+// own threads busy with independent work, and a helper beyond them
+// competes for the cores and is preempted mid-task. A batch-1 train step
+// ran 7-14% faster with its calls on XLA's threads, inference 6% slower
+// (docs/performance.md, *The Zen 4 again*). The Python side says which a
+// call is (`cpu_build.on_xla_threads`) where one handler serves both.
 struct CallCost {
   int64_t bytes = 0, flops = 0;
+  bool helpers = true;
   int64_t Nanoseconds() const { return bytes / 16 + flops / 256; }
 };
 
@@ -80,7 +88,8 @@ void ForEachTask(xla::ffi::ThreadPool& pool, CallCost cost, int64_t tasks,
     }
   };
   // Each thread's share of the call: how long it will be busy.
-  if (cost.Nanoseconds() / (others + 1) < kHelperTaskNanoseconds &&
+  if (cost.helpers &&
+      cost.Nanoseconds() / (others + 1) < kHelperTaskNanoseconds &&
       vit_jax_kernels::HelperThreads::Wanted()) {
     vit_jax_kernels::HelperThreads::Get().Run(run, others);
   } else {

@@ -68,6 +68,7 @@ ffi::Error SumOfSquares(ffi::ThreadPool pool, ffi::RemainingArgs args,
   }
   std::vector<double> chunk_sums(chunks.size());
   CallCost cost;
+  cost.helpers = false;  // a train step's call
   for (const SquaresChunk& chunk : chunks) cost.bytes += 4 * chunk.length;
   ForEachTask(pool, cost, static_cast<int64_t>(chunks.size()),
               [&](int64_t task) {
