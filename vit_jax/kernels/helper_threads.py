@@ -25,10 +25,9 @@ calls (backward passes, the attention kernel's training forward pass,
 AdamW, the gradients' sum of squares) never take helpers.
 """
 
-import contextlib
 import contextvars
 import functools
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, TypeVar
 
 _IN_TRAINING_RULE = contextvars.ContextVar("vit_jax_in_training_rule",
                                            default=False)
@@ -43,20 +42,14 @@ def helpers_allowed() -> bool:
   return not _IN_TRAINING_RULE.get()
 
 
-@contextlib.contextmanager
-def _training_rule() -> Iterator[None]:
-  token = _IN_TRAINING_RULE.set(True)
-  try:
-    yield
-  finally:
-    _IN_TRAINING_RULE.reset(token)
-
-
 def on_xla_threads(rule: Rule) -> Rule:
   """`rule` (a custom VJP's forward or backward rule), whose kernel calls
   put their tasks on XLA's threads, never on helpers."""
   @functools.wraps(rule)
   def wrapped(*args, **kwargs):
-    with _training_rule():
+    token = _IN_TRAINING_RULE.set(True)
+    try:
       return rule(*args, **kwargs)
+    finally:
+      _IN_TRAINING_RULE.reset(token)
   return wrapped  # type: ignore[return-value]
