@@ -13,6 +13,8 @@ import pytest
 
 from helpers import small_config
 from vit_jax.checkpoints import orbax_checkpoints, pretrained
+from vit_jax.data import datasets
+from vit_jax.runtime import preemption
 from vit_jax.training import loop, metric_writer
 
 from helpers import ROOT  # pylint: disable=wrong-import-order
@@ -83,6 +85,43 @@ def test_signal_checkpoints_exits_and_resumes_exactly(tmp_path,
   reference, _ = pretrained.load_params(str(tmp_path / "uninterrupted"), 2)
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(reference)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_signal_during_set_up_stops_at_once_and_the_rerun_trains(
+    tmp_path, monkeypatch):
+  """SIGTERM while the data is being prepared: no step, no checkpoint, the
+  handler and the workdir's lock released, and the same call then trains."""
+  workdir = str(tmp_path / "run")
+  load = datasets.load
+  before = signal.getsignal(signal.SIGTERM)
+
+  def load_then_signal(config):
+    load(config)
+    os.kill(os.getpid(), signal.SIGTERM)  # handled before the next line
+    raise AssertionError("the signal did not stop set-up")
+
+  monkeypatch.setattr(datasets, "load", load_then_signal)
+  with pytest.raises(preemption.StoppedInSetUp,
+                     match="Stopped by SIGTERM during set-up") as stopped:
+    loop.train_and_evaluate(small_config(num_train_steps=2), workdir)
+  assert stopped.value.exit_code == 128 + signal.SIGTERM
+  assert signal.getsignal(signal.SIGTERM) == before
+  checkpoints = os.path.join(workdir, "checkpoints")
+  assert not os.path.isdir(checkpoints) or not os.listdir(checkpoints)
+  monkeypatch.setattr(datasets, "load", load)
+  loop.train_and_evaluate(small_config(num_train_steps=2), workdir)
+  assert "2" in os.listdir(checkpoints)
+
+
+def test_stop_signals_raise_until_training_starts_then_record():
+  with preemption.StopSignals() as stop:
+    with pytest.raises(preemption.StoppedInSetUp):
+      os.kill(os.getpid(), signal.SIGINT)
+    assert stop.received == signal.SIGINT
+  with preemption.StopSignals() as stop:
+    stop.training_started()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.received == signal.SIGTERM  # recorded; nothing raised
 
 
 def _comparable(records):

@@ -208,7 +208,7 @@ def _run(argv):
     if jax.process_index() == 0:
       print(f"Config {config_path}, workdir {workdir}", flush=True)
     metrics = loop.train_and_evaluate(_CONFIG.value, workdir)
-  except preemption.Preempted as e:
+  except (preemption.Preempted, preemption.StoppedInSetUp) as e:
     print(e, file=sys.stderr, flush=True)
     sys.exit(e.exit_code)
   except _user_errors() as e:

@@ -43,7 +43,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
 
   Returns the metrics of the last evaluation. Holds a lock on `workdir`
   while it runs; on SIGTERM/SIGINT it checkpoints the current step and
-  raises `preemption.Preempted`. With config.time_budget_minutes, the number
+  raises `preemption.Preempted` (before the first step, it raises
+  `preemption.StoppedInSetUp` at once). With config.time_budget_minutes, the number
   of steps is planned to fit that wall time from this call on (budget.py).
   """
   clock = progress.Clock(time.perf_counter())
@@ -56,6 +57,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
     try:
       with metric_writer.StatusLine() as status:  # a terminal's progress bar
         loop = TrainingLoop(run, state, start_step, plan, clock, status)
+        stop.training_started()
         return loop.train(stop)
     finally:
       # Let a save in flight finish even when training stops with an
