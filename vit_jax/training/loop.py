@@ -44,8 +44,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
   Returns the metrics of the last evaluation. Holds a lock on `workdir`
   while it runs; on SIGTERM/SIGINT it checkpoints the current step and
   raises `preemption.Preempted` (before the first step, it raises
-  `preemption.StoppedInSetUp` at once). With config.time_budget_minutes, the number
-  of steps is planned to fit that wall time from this call on (budget.py).
+  `preemption.StoppedInSetUp` at once). With config.time_budget_minutes,
+  the number of steps is planned to fit that wall time from this call on
+  (budget.py).
   """
   clock = progress.Clock(time.perf_counter())
   host.split_cpu_into_devices(  # if JAX has not started
