@@ -176,7 +176,10 @@ def _value_tests_pass_with_a_build_of_their_own(
 
 @pytest.mark.skipif(platform.machine() != "x86_64",
                     reason="x86 instruction sets")
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])
+# SSE-only and clang builds take ~30 s each (a build and a fresh process):
+# the slow suite runs them; the default one keeps AVX2, the commoner class.
+@pytest.mark.parametrize(
+    "march", ["x86-64-v3", pytest.param("x86-64-v2", marks=pytest.mark.slow)])
 def test_the_avx2_and_sse_builds_match_the_reference_too(tmp_path, march):
   """The kernels built for AVX2 (8-float vectors) or SSE (4-float vectors),
   as on CPUs without AVX-512 (VIT_JAX_KERNEL_MARCH, which throughput.py
@@ -202,6 +205,7 @@ def _disassembly(library: pathlib.Path) -> str:
 
 
 @needs_clang
+@pytest.mark.slow
 def test_the_clang_build_matches_the_reference_too(tmp_path):
   """Built by clang++ (CXX), as on macOS, whose C++ compiler is Apple's
   clang, the kernels pass the same value tests. (clang rejects narrowing
