@@ -285,6 +285,7 @@ def worker(args) -> None:
   model, flags = race_report.cpu_description()
   print(f"CPU: {model}, {race_report.cores_description(times.cores)}; "
         f"{', '.join(flags)}")
+  print(race_report.code_line())
   print(f"{args.model} {args.mode}: {step.image_size} px, patch "
         f"{step.patch_size}, {step.model.num_layers} layers, batch "
         f"{step.batch}, on {step.mesh.devices.size} device(s); XLA_FLAGS="

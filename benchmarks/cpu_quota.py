@@ -207,6 +207,7 @@ def main():
   print(f"CPU: {model}; {', '.join(flags)}; "
         f"{race_report.cores_description(cpu_info.cpu_cores())}; load "
         f"{race_report.machine_load()}")
+  print(race_report.code_line())
   print(f"{args.model} {args.mode}, batch {args.batch}, {args.seconds:g} s "
         f"of steps a worker after {args.warmup}")
   start = time.perf_counter()

@@ -186,6 +186,7 @@ def main():
   print("Command: " + " ".join(["python benchmarks/latency.py",
                                 *sys.argv[1:]]))
   print(f"CPU: {model}; {', '.join(flags)}; load {race_report.machine_load()}")
+  print(race_report.code_line())
   print(f"{args.model} {args.mode}, batch {args.batch}, {args.matmul_dtype} "
         f"products, {args.steps} steps a worker after {args.warmup}")
   # Each worker's name: the implementation it runs and its environment.

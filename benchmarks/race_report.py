@@ -4,7 +4,9 @@ the machine and settings, the results table and the `summary:` line."""
 import argparse
 import dataclasses
 import os
+import pathlib
 import statistics
+import subprocess
 
 import dense_products  # this folder's: the Dense products' lines
 import race_workers  # this folder's: the workloads and their settings
@@ -21,6 +23,43 @@ def cpu_description() -> tuple[str, list[str]]:
   from vit_jax.runtime import cpu_info  # pylint: disable=g-import-not-at-top
   flags = cpu_info.cpu_features()[1]
   return cpu_info.cpu_model(), [flag for flag in _ISA_FLAGS if flag in flags]
+
+
+# The checkout this script is in: the code a figure should be of.
+_CHECKOUT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def code_line(checkout: pathlib.Path = _CHECKOUT) -> str:
+  """Which vit_jax this process (and so every worker it spawns) imports:
+  "Code: vit_jax from /clone/vit_jax, git b6db269", with ", with
+  uncommitted changes" where its tree differs from that commit. Where it is
+  not `checkout`'s (an editable install of another clone, say: a script
+  imports the installed package, not its own folder's), a warning says so,
+  as the figures are then that other code's, and how to time this one."""
+  import vit_jax  # pylint: disable=g-import-not-at-top
+  package = pathlib.Path(vit_jax.__file__).resolve().parent
+  text = f"Code: vit_jax from {package}{git_state(package.parent)}"
+  if package.parent != checkout.resolve():
+    text += (f"; WARNING: not this script's checkout ({checkout}), so the "
+             f"figures are that code's: PYTHONPATH={checkout} times this one")
+  return text
+
+
+def git_state(root: pathlib.Path) -> str:
+  """", git <short commit>[, with uncommitted changes]" where `root` is the
+  top of a git checkout; "" elsewhere (an installed wheel, no git)."""
+  def git(*args: str) -> str:
+    done = subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                          text=True, timeout=30, check=True)
+    return done.stdout.strip()
+  try:
+    if pathlib.Path(git("rev-parse", "--show-toplevel")).resolve() != root:
+      return ""  # e.g. site-packages in a venv inside some checkout
+    commit = git("rev-parse", "--short", "HEAD")
+    changed = git("status", "--porcelain", "--untracked-files=no")
+  except (OSError, subprocess.SubprocessError):
+    return ""
+  return f", git {commit}" + (", with uncommitted changes" if changed else "")
 
 
 def cores_description(cores: int) -> str:
@@ -105,7 +144,7 @@ def setting_lines(args: argparse.Namespace, env: dict, race: Race,
   # larger CPU, as vit_jax's devices and PyTorch's threads both follow the
   # affinity mask.
   lines = [f"CPU: {cpu_model}, {cores_description(cores)}; "
-           f"ISA: {' '.join(isa)}"]
+           f"ISA: {' '.join(isa)}", code_line()]
   if args.max_isa == "avx2":
     lines.append("Every library capped at AVX2 + FMA: " + " ".join(
         f"{k}={v}" for k, v in race_workers.AVX2_ONLY_ENVIRONMENT.items())

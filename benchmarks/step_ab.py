@@ -81,6 +81,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import race_report  # this folder's: which vit_jax the step is of
 import race_workers  # this folder's: the worker's model, dims and batch
 from vit_jax.kernels import attention, cpu_attention, gelu_matmul, xla_products
 from vit_jax.model import vit
@@ -339,6 +340,7 @@ def main(argv):
       variants[name]["times"].append(step(variants[name]))
 
   print(f"\nCommand: python benchmarks/step_ab.py {' '.join(sys.argv[1:])}")
+  print(race_report.code_line())
   print(f"{_MODEL.value}, batch {batch}, {len(jax.devices())} device(s)")
   for name, variant in variants.items():
     fields, softmax, kernel_gradient, attention_core, xla_options, free = (

@@ -86,6 +86,7 @@ def main(argv):
   print(f"Command: python benchmarks/vector_width.py {' '.join(sys.argv[1:])}")
   print(f"CPU: {model} ({cpu_info.cpu_features()[0] or 'vendor unknown'}), "
         f"{cpu_info.cpu_cores()} core(s) for this process; {' '.join(isa)}")
+  print(race_report.code_line())
   ratios = {}
   for name, (fn, args) in cases.items():
     medians = time_widths(fn, args, _REPEATS.value)

@@ -3,7 +3,9 @@
 import importlib
 import json
 import os
+import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -707,6 +709,51 @@ def test_throughput_benchmark_names_the_cpu_and_its_isa():
   flags = set(re.findall(r"^(?:flags|Features)\s*:(.*)$", cpuinfo,
                          re.M)[0].split())
   assert isa and set(isa) <= flags
+
+
+def _git(cwd, *args: str) -> str:
+  return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True,
+                        text=True, check=True).stdout.strip()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_benchmarks_name_the_code_they_time_and_warn_of_another_checkouts():
+  """code_line names the vit_jax this process imports, with this checkout's
+  commit where it is one; timed from a script in another folder (as from a
+  clone while an editable install points here), it warns and says how to
+  time that folder's code instead."""
+  race_report = _benchmark_module("race_report")
+  package = os.path.join(os.path.realpath(ROOT), "vit_jax")
+  line = race_report.code_line(pathlib.Path(ROOT))
+  assert line.startswith(f"Code: vit_jax from {package}")
+  assert "WARNING" not in line
+  if os.path.isdir(os.path.join(ROOT, ".git")):  # a checkout, not an sdist
+    assert f", git {_git(ROOT, 'rev-parse', '--short', 'HEAD')}" in line
+  elsewhere = race_report.code_line(pathlib.Path("/tmp/another_clone"))
+  assert elsewhere.startswith(line)
+  assert "WARNING: not this script's checkout (/tmp/another_clone)" in elsewhere
+  assert "PYTHONPATH=/tmp/another_clone" in elsewhere
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_git_state_says_commit_and_changes_only_at_a_checkouts_top(tmp_path):
+  """A checkout's top: its commit, then whether tracked files changed
+  (untracked ones do not count); a folder inside it (site-packages of a
+  venv in a clone) and a folder outside any: nothing."""
+  git_state = _benchmark_module("race_report").git_state
+  repo = tmp_path / "repo"
+  (repo / "inner").mkdir(parents=True)
+  assert git_state(repo) == ""
+  _git(repo, "init", "-q")
+  (repo / "model.py").write_text("x = 1\n")
+  _git(repo, "add", "model.py")
+  _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+  commit = _git(repo, "rev-parse", "--short", "HEAD")
+  (repo / "notes.txt").write_text("untracked\n")
+  assert git_state(repo) == f", git {commit}"
+  assert git_state(repo / "inner") == ""
+  (repo / "model.py").write_text("x = 2\n")
+  assert git_state(repo) == f", git {commit}, with uncommitted changes"
 
 
 def test_throughput_summary_takes_the_worst_workload_against_fastest_torch():
