@@ -19,11 +19,12 @@ for this setup (ViT-B/16, 10k steps, 384 px; the paper's Table 5 gives
 98.95-99.00%). That is a GPU/TPU run: on 2 cores of a Zen 5 EPYC, ViT-B/16
 at 384 px trains at 1.5 images/s with a device per core
 (--config.cpu_devices=-1; `python benchmarks/throughput.py
---models=ViT-B/16@384`, 2.5x timm's), so one 512-image step takes ~6 minutes,
+--models=ViT-B/16@384`, 2.5x timm's; 0.7 images/s and 1.35x on a Zen 4),
+so one 512-image step takes ~6 minutes there,
 and XLA's scratch is ~0.4 GiB per image of a micro-batch: 64 images need
 ~26 GiB, which the check before the first step reports where the host has
 less (raise accum_steps). What runs here, to show it works (34 s and 3 GB
-peak RSS on that Zen 5):
+peak RSS on that Zen 5, 61 s and 4.1 GB on the Zen 4):
 
   python -m vit_jax.checkpoints.convert --random_init=ViT-B/16 --num_classes=21843 \
       --representation_size=768 --output=/tmp/ViT-B_16-random.npz
@@ -36,7 +37,7 @@ accum_steps splits each 512-image batch into micro-batches (64 images each
 by default) with the same update; raise it if a device runs out of memory.
 On GPU/TPU add --config.model.dtype=bfloat16; on a CPU with bfloat16 dot
 instructions --config.model.matmul_dtype=bfloat16 (2.6 images/s on that Zen
-5, 1.56x PyTorch's autocast).
+5, 1.56x PyTorch's autocast; 1.2 images/s and 1.46x on a Zen 4).
 """
 
 from vit_jax import config as config_lib
