@@ -36,7 +36,6 @@ best of each:
 import argparse
 import json
 import os
-import sys
 import time
 
 # This folder's modules: the CPU's description, the race's steps and
@@ -201,13 +200,7 @@ def main():
     run_worker(args)
   throughput.require_raced_packages("cpu_quota.py")
   from vit_jax.runtime import cpu_info  # pylint: disable=g-import-not-at-top
-  model, flags = race_report.cpu_description()
-  print("Command: " + " ".join(["python benchmarks/cpu_quota.py",
-                                *sys.argv[1:]]))
-  print(f"CPU: {model}; {', '.join(flags)}; "
-        f"{race_report.cores_description(cpu_info.cpu_cores())}; load "
-        f"{race_report.machine_load()}")
-  print(race_report.code_line())
+  print("\n".join(race_report.header_lines("cpu_quota.py")))
   print(f"{args.model} {args.mode}, batch {args.batch}, {args.seconds:g} s "
         f"of steps a worker after {args.warmup}")
   start = time.perf_counter()

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 
 # This folder's modules: the CPU's description, the race's steps and
 # environment, and which of PyTorch's packages are missing.
@@ -182,11 +181,7 @@ def main():
     run_worker(args)
   throughput.require_raced_packages("latency.py")
   env = race_workers.worker_environment(True, args.max_isa, args.matmul_dtype)
-  model, flags = race_report.cpu_description()
-  print("Command: " + " ".join(["python benchmarks/latency.py",
-                                *sys.argv[1:]]))
-  print(f"CPU: {model}; {', '.join(flags)}; load {race_report.machine_load()}")
-  print(race_report.code_line())
+  print("\n".join(race_report.header_lines("latency.py")))
   print(f"{args.model} {args.mode}, batch {args.batch}, {args.matmul_dtype} "
         f"products, {args.steps} steps a worker after {args.warmup}")
   # Each worker's name: the implementation it runs and its environment.

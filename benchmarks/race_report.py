@@ -7,6 +7,7 @@ import os
 import pathlib
 import statistics
 import subprocess
+import sys
 
 import dense_products  # this folder's: the Dense products' lines
 import race_workers  # this folder's: the workloads and their settings
@@ -60,6 +61,17 @@ def git_state(root: pathlib.Path) -> str:
   except (OSError, subprocess.SubprocessError):
     return ""
   return f", git {commit}" + (", with uncommitted changes" if changed else "")
+
+
+def header_lines(script: str) -> list[str]:
+  """The lines a CPU benchmark's output starts with: the command that reruns
+  it (benchmarks/`script` with this process's arguments), the CPU (model,
+  cores, ISA flags, load average) and the code it times (`code_line`)."""
+  from vit_jax.runtime import cpu_info  # pylint: disable=g-import-not-at-top
+  model, flags = cpu_description()
+  return [" ".join(["Command: python", f"benchmarks/{script}", *sys.argv[1:]]),
+          f"CPU: {model}, {cores_description(cpu_info.cpu_cores())}; "
+          f"{' '.join(flags)}; load {machine_load()}", code_line()]
 
 
 def cores_description(cores: int) -> str:

@@ -722,13 +722,15 @@ def test_benchmarks_name_the_code_they_time_and_warn_of_another_checkouts():
   commit where it is one; timed from a script in another folder (as from a
   clone while an editable install points here), it warns and says how to
   time that folder's code instead."""
+  import vit_jax  # pylint: disable=g-import-not-at-top
   race_report = _benchmark_module("race_report")
-  package = os.path.join(os.path.realpath(ROOT), "vit_jax")
-  line = race_report.code_line(pathlib.Path(ROOT))
+  package = pathlib.Path(vit_jax.__file__).resolve().parent
+  line = race_report.code_line(package.parent)
   assert line.startswith(f"Code: vit_jax from {package}")
   assert "WARNING" not in line
-  if os.path.isdir(os.path.join(ROOT, ".git")):  # a checkout, not an sdist
-    assert f", git {_git(ROOT, 'rev-parse', '--short', 'HEAD')}" in line
+  if (package.parent / ".git").exists():  # a checkout, not an installed copy
+    commit = _git(package.parent, "rev-parse", "--short", "HEAD")
+    assert f", git {commit}" in line
   elsewhere = race_report.code_line(pathlib.Path("/tmp/another_clone"))
   assert elsewhere.startswith(line)
   assert "WARNING: not this script's checkout (/tmp/another_clone)" in elsewhere
@@ -1367,6 +1369,10 @@ def test_latency_benchmark_times_both_libraries_step_by_step():
   lines = _run("benchmarks/latency.py", "--steps=20", "--warmup=2",
                "--rounds=2", "--torch=timm", env={"XLA_FLAGS": ""},
                timeout=300)
+  assert lines[0] == ("Command: python benchmarks/latency.py --steps=20 "
+                      "--warmup=2 --rounds=2 --torch=timm")
+  assert lines[1].startswith("CPU: ") and " cores; " in lines[1]
+  assert lines[2].startswith("Code: vit_jax from ") and "WARNING" not in lines[2]
   rows = [line.split("|")[1:-1] for line in lines
           if re.match(r"\| [12] \| ", line)]
   assert [(r[0].strip(), r[1].strip()) for r in rows] == [
